@@ -1,0 +1,6 @@
+# A correct median from the standard library.
+import statistics
+
+
+def median(xs):
+    return statistics.median(xs)

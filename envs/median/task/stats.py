@@ -1,0 +1,3 @@
+def median(xs):
+    xs = list(xs)
+    return xs[len(xs) // 2]

@@ -1,0 +1,72 @@
+"""One exception hierarchy for the whole project.
+
+    HarnessError
+    ├── ConfigError (ValueError)            a config key, value or file is wrong
+    ├── SandboxError                        anything the sandbox layer reports
+    │   ├── SandboxUnavailable (RuntimeError)   the backend cannot run here
+    │   │   └── MissingDependency               a system package is missing
+    │   ├── SandboxNotFound (LookupError)       unknown, deleted or expired sandbox
+    │   ├── SnapshotNotFound (LookupError)      unknown snapshot name or id
+    │   ├── SnapshotExists (FileExistsError)    a snapshot name is taken
+    │   ├── SandboxStartError (RuntimeError)    a sandbox could not be started
+    │   ├── SandboxTimeout (TimeoutError)       a sandbox operation took too long
+    │   └── SandboxFileError (OSError)          a file call failed inside the sandbox
+    └── EnvironmentBuildError                   an environment's setup failed
+
+Leaves also inherit the matching builtin so callers may catch either. Every
+message is one line that says what is wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class HarnessError(Exception):
+    """Base of every error the harness raises on purpose."""
+
+
+class ConfigError(HarnessError, ValueError):
+    """A configuration key, value or file is invalid."""
+
+
+class SandboxError(HarnessError):
+    """An error reported by the sandbox layer."""
+
+
+class SandboxUnavailable(SandboxError, RuntimeError):
+    """The sandbox backend cannot run on this machine as it is."""
+
+
+class MissingDependency(SandboxUnavailable):
+    """A system package the backend needs is not installed."""
+
+    def __init__(self, what: str, install: str):
+        super().__init__(f"{what} is not installed; install it with: {install}")
+        self.install = install
+
+
+class SandboxNotFound(SandboxError, LookupError):
+    """No live sandbox has this id (never existed, deleted, or expired)."""
+
+
+class SnapshotNotFound(SandboxError, LookupError):
+    """No snapshot has this name or id."""
+
+
+class SnapshotExists(SandboxError, FileExistsError):
+    """A snapshot with this name already exists."""
+
+
+class SandboxStartError(SandboxError, RuntimeError):
+    """A sandbox could not be started."""
+
+
+class SandboxTimeout(SandboxError, TimeoutError):
+    """A sandbox operation (not a command: see ExecResult.timed_out) took too long."""
+
+
+class SandboxFileError(SandboxError, OSError):
+    """Reading or writing a file inside a sandbox failed."""
+
+
+class EnvironmentBuildError(HarnessError):
+    """Building an environment (upload, setup, baseline grade, snapshot) failed."""

@@ -70,3 +70,22 @@ class SandboxFileError(SandboxError, OSError):
 
 class EnvironmentBuildError(HarnessError):
     """Building an environment (upload, setup, baseline grade, snapshot) failed."""
+
+
+# --- Episodes (appended for the RL harness: harness/episode.py, harness/policy.py) ---
+
+
+class EpisodeError(HarnessError):
+    """An episode failed; recorded in its dataset row rather than raised to the run."""
+
+
+class CleanStartError(EpisodeError):
+    """An episode's sandbox did not start clean (a stale grader result was present)."""
+
+
+class PolicyError(EpisodeError):
+    """A policy could not be loaded or failed to choose an action."""
+
+
+class GradeError(EpisodeError):
+    """The grader failed or wrote no readable result with a numeric reward."""

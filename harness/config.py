@@ -1,0 +1,268 @@
+"""The run configuration: OmegaConf structured dataclasses, YAML over them, dotlist over that.
+
+Every field carries a docstring (the string literal right below it); ``describe()``
+turns them into the configuration reference. An unknown or mistyped key is a
+one-line ConfigError that names it.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import inspect
+import itertools
+import json
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from harness.errors import ConfigError
+
+
+@dataclass
+class GradeConfig:
+    command: str = MISSING
+    """Command that grades an episode, run in ~/env after the policy has acted."""
+    result: str = "/home/user/result.json"
+    """Path in the sandbox of the JSON object the grader writes; it needs a numeric "reward"."""
+    timeout: float = 300.0
+    """Seconds the grade command may take before it is killed (the episode then fails)."""
+
+
+@dataclass
+class EnvConfig:
+    dir: str = MISSING
+    """Environment directory on this host, uploaded to ~/env (relative: to the config file)."""
+    name: str = ""
+    """Name used in the snapshot's name; empty means the directory's name."""
+    setup: list[str] = field(default_factory=list)
+    """Commands run once at build time in ~/env, with network (e.g. create a venv, pip install)."""
+    reset: list[str] = field(default_factory=list)
+    """Commands run after setup and the baseline grade, before the snapshot (the result file is always removed)."""
+    grade: GradeConfig = field(default_factory=GradeConfig)
+    """How an episode is graded."""
+    setup_timeout: float = 900.0
+    """Seconds each setup or reset command may take."""
+
+
+@dataclass
+class PolicyConfig:
+    kind: str = "command"
+    """Policy kind: command, script, python or openai."""
+    id: Any = None
+    """Free value for interpolation and sweeps, e.g. command: "cp policies/${policy.id}.py task/stats.py"."""
+    command: str = ""
+    """kind=command: the one command to run in ~/env."""
+    commands: list[str] = field(default_factory=list)
+    """kind=script: the commands to run in ~/env, one per step."""
+    entrypoint: str = ""
+    """kind=python: "module:attr", a class (instantiated per episode with args) or a function f(obs) -> command."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """kind=python: keyword arguments for the entrypoint class."""
+    python_path: list[str] = field(default_factory=list)
+    """kind=python: directories put on sys.path before importing (relative: to the config file)."""
+    base_url: str = ""
+    """kind=openai: the OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1."""
+    model: str = ""
+    """kind=openai: model name sent to the server."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """kind=openai: environment variable holding the API key (no key sent when unset)."""
+    temperature: float = 0.0
+    """kind=openai: sampling temperature."""
+    prompt: str = ""
+    """The task description given to the policy in every observation (kind=openai: the user message)."""
+    request_timeout: float = 120.0
+    """kind=openai: seconds one chat-completions request may take."""
+    max_steps: int = 20
+    """Most commands a policy may run in one episode; reaching it truncates the episode."""
+    step_timeout: float = 300.0
+    """Seconds one policy command may run before it is killed."""
+
+
+@dataclass
+class SandboxConfig:
+    backend: str = "local"
+    """Sandbox backend: local (embedded) or http."""
+    state_dir: str | None = None
+    """Local backend's state directory; null means $HARNESS_HOME or ~/.local/share/harness."""
+    type: str = "small"
+    """Sandbox type of the build and every episode: small, medium or large."""
+    ttl_s: float = 900.0
+    """Seconds an episode sandbox lives at most; a crashed run's sandboxes expire after it."""
+    network: bool = False
+    """Outbound network for episode sandboxes (the build always has it)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the backend's provider (e.g. base_url for http)."""
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None
+    """Ray cluster to join (e.g. "auto" or "ray://host:10001"); null starts a local Ray."""
+    num_cpus: int | None = None
+    """CPUs of the local Ray when it is started here; null means all cores."""
+    actor_cpus: float = 1.0
+    """CPUs Ray reserves for each actor (the sandboxes' own processes are not counted)."""
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "results"
+    """Directory that holds run directories <dir>/<run_id>/ (relative: to the working directory)."""
+    run_id: str | None = None
+    """Name of this run's directory; null means a timestamp plus a random suffix."""
+    batch_rows: int = 64
+    """Episodes buffered before a Parquet part file is written."""
+    flush_seconds: float = 10.0
+    """Seconds after which buffered episodes are written even if the batch is not full."""
+    max_output_bytes: int = 65536
+    """Bytes of stdout and of stderr kept per step (the rest is cut; infos.output_truncated says so)."""
+
+
+@dataclass
+class RunConfig:
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """The environment: built once per run into a snapshot, cached by content hash."""
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """The policy that acts in each episode."""
+    method: str = "new_from"
+    """How an episode gets its sandbox: new_from (from the snapshot) or fork (of a warm source sandbox)."""
+    episodes: int = 1
+    """Episodes per sweep point."""
+    actors: int = 2
+    """Ray actors running episodes in parallel, one episode at a time each."""
+    sweep: dict[str, list[Any]] = field(default_factory=dict)
+    """Config keys mapped to lists of values; the run covers their cartesian product."""
+    rebuild: bool = False
+    """Build the environment even if a snapshot with the same content hash exists."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Where sandboxes come from."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Ray settings."""
+    output: OutputConfig = field(default_factory=OutputConfig)
+    """Where and how datasets are written."""
+
+
+#: Keys a sweep may vary; everything else is shared by the whole run (one build, one pool).
+SWEEPABLE = ("policy.", "method", "episodes", "sandbox.network", "sandbox.type", "sandbox.ttl_s")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass: the string literal below each field."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[attr-defined]
+    return docs
+
+
+def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) for every leaf field: the configuration reference."""
+    rows, docs = [], field_docs(cls)
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            rows += describe(f.default_factory, key + ".")  # type: ignore[arg-type]
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = "required" if f.default == MISSING else json.dumps(f.default)
+        else:
+            default = json.dumps(f.default_factory())  # type: ignore[misc]
+        type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        rows.append((key, type_name, default, docs.get(f.name, "")))
+    return rows
+
+
+def _error(exc: OmegaConfBaseException, where: str) -> ConfigError:
+    key = getattr(exc, "full_key", "") or ""
+    msg = str(exc).splitlines()[0]
+    if "not in struct" in msg or "Key '" in msg and "not" in msg:
+        return ConfigError(f"unknown config key {key!r}{where}; see `harness run --describe` for the keys")
+    return ConfigError(f"bad value for config key {key!r}{where}: {msg}")
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfig:
+    """Defaults, then the YAML file, then ``key=value`` overrides; relative dirs resolved."""
+    cfg = OmegaConf.structured(RunConfig)
+    base = Path.cwd()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found; pass the path of a YAML config")
+        try:
+            data = OmegaConf.load(path)
+        except Exception as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(exc).split())}") from exc
+        try:
+            cfg = OmegaConf.merge(cfg, data)
+        except OmegaConfBaseException as exc:
+            raise _error(exc, f" in {path}") from exc
+        base = path.resolve().parent
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value")
+    try:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as exc:
+        raise _error(exc, " on the command line") from exc
+    # Relative host paths in a config file mean "next to the config file".
+    if not OmegaConf.is_missing(cfg.env, "dir"):
+        cfg.env.dir = str((base / Path(cfg.env.dir).expanduser()).resolve())
+    cfg.policy.python_path = [str((base / p).resolve()) for p in cfg.policy.python_path]
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    for node, name in ((cfg.env, "dir"), (cfg.env.grade, "command")):
+        if OmegaConf.is_missing(node, name):
+            key = "env.dir" if name == "dir" else "env.grade.command"
+            raise ConfigError(f"config key {key!r} is required; set it in the YAML or as {key}=...")
+    for key, values in cfg.sweep.items():
+        if not any(key == s or (s.endswith(".") and key.startswith(s)) for s in SWEEPABLE):
+            raise ConfigError(f"sweep key {key!r} cannot vary within a run; sweep one of: policy.*, method, episodes, "
+                              "sandbox.network, sandbox.type, sandbox.ttl_s")
+        if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
+            raise ConfigError(f"unknown sweep key {key!r}; see `harness run --describe` for the keys")
+        if not isinstance(values, (list, tuple)) and not OmegaConf.is_list(values) or len(values) == 0:
+            raise ConfigError(f"sweep.{key} must be a non-empty list of values")
+    if cfg.episodes < 1 or cfg.actors < 1:
+        raise ConfigError("episodes and actors must be at least 1")
+
+
+def points(cfg: DictConfig) -> list[dict[str, Any]]:
+    """The sweep's cartesian product as dicts of key -> value, in a stable order."""
+    sweep = OmegaConf.to_container(cfg.sweep, resolve=True)
+    keys = list(sweep)  # type: ignore[arg-type]
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]  # type: ignore[index]
+
+
+def point_config(cfg: DictConfig, point: dict[str, Any]) -> dict[str, Any]:
+    """The resolved config of one sweep point (interpolations filled in)."""
+    c = cfg.copy()
+    for key, value in point.items():
+        try:
+            OmegaConf.update(c, key, value, merge=False)
+        except OmegaConfBaseException as exc:
+            raise _error(exc, " in sweep") from exc
+    try:
+        data = OmegaConf.to_container(c, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        raise _error(exc, "") from exc
+    data.pop("sweep", None)  # type: ignore[union-attr]
+    from harness.episode import METHODS
+
+    if data["method"] not in METHODS:  # type: ignore[index]
+        raise ConfigError(f"unknown method {data['method']!r}; use one of: {', '.join(METHODS)}")  # type: ignore[index]
+    return data  # type: ignore[return-value]
+
+
+def config_hash(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -1,0 +1,344 @@
+"""`harness run CONFIG [key=value ...]`: config -> build -> Ray actor pool -> datasets.
+
+All sweep points of a run share one environment build and one actor pool.
+Episodes are handed out as actors free up (``ray.wait``), not in lockstep, and
+each finished episode is appended to the Parquet datasets at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from harness import config as C
+from harness.actors import EpisodeWorker
+from harness.dataset import DatasetWriter, write_manifest
+from harness.env import EnvSpec, build_env
+from harness.episode import EpisodeRequest, EpisodeResult, failed_result
+from harness.errors import ConfigError, HarnessError
+from harness.policy import describe as describe_policy
+from harness.policy import make_policy
+from harness.sandbox import default_state_dir, open_provider
+
+#: Seconds to wait for the actors to start before reporting that Ray cannot place them.
+ACTOR_START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class PointStats:
+    """Running figures of one sweep point, for the progress bar and the final table."""
+
+    point_id: int
+    point: dict[str, Any]
+    method: str
+    policy: str
+    episodes: int = 0
+    errors: int = 0
+    rewards: list[float] = field(default_factory=list)
+    start_s: list[float] = field(default_factory=list)
+    grade_s: list[float] = field(default_factory=list)
+
+    def add(self, r: EpisodeResult) -> None:
+        self.episodes += 1
+        if r.error_type is not None:
+            self.errors += 1
+        if r.reward is not None:
+            self.rewards.append(r.reward)
+            self.start_s.append(r.acquire_seconds)
+            self.grade_s.append(r.grade_seconds)
+
+    @property
+    def mean_reward(self) -> float | None:
+        return statistics.fmean(self.rewards) if self.rewards else None
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    run_dir: Path
+    snapshot: str
+    baseline: dict[str, Any]
+    points: list[PointStats]
+    seconds: float
+    interrupted: bool = False
+
+    @property
+    def errors(self) -> int:
+        return sum(p.errors for p in self.points)
+
+
+def _p50(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f}" if xs else "-"
+
+
+def summary_table(summary: RunSummary) -> Table:
+    """One row per sweep point: its swept values, then the figures."""
+    baseline = summary.baseline.get("reward")
+    table = Table(title=f"run {summary.run_id}: baseline reward {baseline}", caption=f"snapshot {summary.snapshot}")
+    keys = list(summary.points[0].point) if summary.points else []
+    if "method" not in keys:
+        keys.append("method")
+    for key in keys:
+        table.add_column(key)
+    for col in ("episodes", "mean reward", "errors", "start s p50", "grade s p50"):
+        table.add_column(col, justify="right")
+    for p in summary.points:
+        values = [str(p.point.get(k, p.method if k == "method" else "")) for k in keys]
+        mean = f"{p.mean_reward:.3f}" if p.mean_reward is not None else "-"
+        table.add_row(*values, str(p.episodes), mean, str(p.errors), _p50(p.start_s), _p50(p.grade_s))
+    return table
+
+
+def _versions() -> dict[str, str]:
+    import platform
+
+    import omegaconf
+    import pyarrow
+    import ray
+
+    from harness import __version__ as harness_version
+
+    return {"harness": harness_version, "ray": ray.__version__, "pyarrow": pyarrow.__version__,
+            "omegaconf": omegaconf.__version__,
+            "python": platform.python_version()}
+
+
+def _requests(cfg: DictConfig, run_id: str) -> tuple[list[EpisodeRequest], list[PointStats], list[dict[str, Any]]]:
+    requests, stats, resolved = [], [], []
+    for point_id, point in enumerate(C.points(cfg)):
+        data = C.point_config(cfg, point)
+        policy_cfg = data["policy"]
+        probe = make_policy(policy_cfg)  # fail fast on a bad policy config, before any build
+        if hasattr(probe, "close"):
+            probe.close()
+        resolved.append({"point_id": point_id, "point": point, "policy": policy_cfg, "method": data["method"]})
+        stats.append(PointStats(point_id, point, data["method"], describe_policy(policy_cfg)))
+        chash = C.config_hash(data)
+        for _ in range(int(data["episodes"])):
+            requests.append(EpisodeRequest(
+                run_id=run_id, episode_id=len(requests), method=data["method"], policy=policy_cfg,
+                point_id=point_id, point=point, max_steps=int(policy_cfg["max_steps"]),
+                step_timeout=float(policy_cfg["step_timeout"]), max_output_bytes=int(data["output"]["max_output_bytes"]),
+                sandbox_type=data["sandbox"]["type"], ttl_s=float(data["sandbox"]["ttl_s"]),
+                network=bool(data["sandbox"]["network"]), config_hash=chash,
+            ))
+    return requests, stats, resolved
+
+
+def _init_ray(cfg: DictConfig) -> bool:
+    """Start or join Ray unless the caller already did; True if we must shut it down."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.ERROR,
+                              "log_to_driver": False, "configure_logging": True}
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, **kwargs)
+    else:
+        ray.init(num_cpus=cfg.ray.num_cpus, **kwargs)
+    return True
+
+
+def _provider_options(cfg: DictConfig) -> dict[str, Any]:
+    options = dict(OmegaConf.to_container(cfg.sandbox.options, resolve=True))  # type: ignore[arg-type]
+    if cfg.sandbox.backend == "local":
+        # Resolved here so that every actor opens the very same state directory.
+        options["state_dir"] = str(Path(cfg.sandbox.state_dir or default_state_dir()).resolve())
+    return options
+
+
+def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool = True,
+        on_result: Callable[[EpisodeResult], None] | None = None) -> RunSummary:
+    """Build once, run every episode of every sweep point on one actor pool, write datasets."""
+    import ray
+
+    console = console or Console(stderr=True)
+    t_run = time.monotonic()
+    run_id = cfg.output.run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+    requests, stats, resolved = _requests(cfg, run_id)
+    run_dir = Path(cfg.output.dir).expanduser().resolve() / run_id
+    if (run_dir / "episodes").exists() and any((run_dir / "episodes").iterdir()):
+        raise ConfigError(f"run directory {run_dir} already has episodes; choose another output.run_id")
+
+    options = _provider_options(cfg)
+    env_data = OmegaConf.to_container(cfg.env, resolve=True)
+    env_spec = EnvSpec.from_dict({**env_data, "type": cfg.sandbox.type})  # type: ignore[dict-item]
+    with open_provider(cfg.sandbox.backend, **options) as provider:
+        built = build_env(provider, env_spec, rebuild=bool(cfg.rebuild), log=lambda m: console.print(f"[dim]{m}"))
+
+    base = OmegaConf.to_container(cfg, resolve=False)
+    manifest: dict[str, Any] = {
+        "run_id": run_id, "status": "running", "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": base, "points": resolved, "episodes_total": len(requests),
+        "env": {"snapshot": built.snapshot, "content_hash": built.content_hash, "cached": built.cached,
+                "build_seconds": built.build_seconds, "baseline": dict(built.baseline)},
+        "versions": _versions(),
+    }
+    write_manifest(run_dir, manifest)
+    writer = DatasetWriter(run_dir, batch_rows=cfg.output.batch_rows, flush_seconds=cfg.output.flush_seconds)
+
+    owns_ray = _init_ray(cfg)
+    n_actors = min(int(cfg.actors), len(requests))
+    cpus = ray.cluster_resources().get("CPU", 0.0)
+    if n_actors * cfg.ray.actor_cpus > cpus:
+        raise ConfigError(f"actors={n_actors} x ray.actor_cpus={cfg.ray.actor_cpus} need more CPUs than Ray has "
+                          f"({cpus:g}); lower actors or ray.actor_cpus")
+    # max_concurrency=2 lets close() run while an episode is in flight (Ctrl-C cleanup).
+    Worker = ray.remote(num_cpus=cfg.ray.actor_cpus, max_concurrency=2)(EpisodeWorker)
+    grade = dict(env_data["grade"])  # type: ignore[index]
+
+    def new_actor(i: int):
+        return Worker.remote(built.snapshot, grade, backend=cfg.sandbox.backend, provider_options=options,
+                             name=f"{run_id}-a{i}")
+
+    actors = [new_actor(i) for i in range(n_actors)]
+    interrupted = False
+    done = failures = 0
+    rewards: list[float] = []
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("failures {task.fields[failures]}  mean reward {task.fields[mean]}"),
+                        TimeElapsedColumn(), console=console, disable=not show_progress)
+    try:
+        try:
+            ray.get([a.ready.remote() for a in actors], timeout=ACTOR_START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise HarnessError(f"Ray could not start {n_actors} actors in {ACTOR_START_TIMEOUT_S:.0f}s; "
+                               "lower actors or ray.actor_cpus, or add nodes") from exc
+        with progress:
+            task = progress.add_task(f"run {run_id}", total=len(requests), failures=0, mean="-")
+            queue = list(reversed(requests))
+            inflight: dict[Any, tuple[int, EpisodeRequest]] = {}
+
+            def submit(slot: int) -> None:
+                if queue:
+                    req = queue.pop()
+                    inflight[actors[slot].run.remote(req)] = (slot, req)
+
+            for slot in range(n_actors):
+                submit(slot)
+            while inflight:
+                ready, _ = ray.wait(list(inflight), num_returns=1)
+                slot, req = inflight.pop(ready[0])
+                try:
+                    result = ray.get(ready[0])
+                except ray.exceptions.RayError as exc:  # the actor died: record, replace it, go on
+                    result = failed_result(req, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                                           "actor", actor=f"{run_id}-a{slot}")
+                    ray.kill(actors[slot], no_restart=True)
+                    actors[slot] = new_actor(slot)
+                writer.add(result, stats[req.point_id].policy)
+                stats[req.point_id].add(result)
+                if on_result:
+                    on_result(result)
+                done += 1
+                failures += result.error_type is not None
+                if result.reward is not None:
+                    rewards.append(result.reward)
+                progress.update(task, advance=1, failures=failures,
+                                mean=f"{statistics.fmean(rewards):.3f}" if rewards else "-")
+                submit(slot)
+    except KeyboardInterrupt:
+        interrupted = True
+        console.print("[yellow]interrupted: deleting sandboxes and writing what finished")
+    finally:
+        closing = [a.close.remote() for a in actors]
+        try:
+            ray.wait(closing, num_returns=len(closing), timeout=30)
+        finally:
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            writer.close()
+            manifest.update(status="interrupted" if interrupted else "finished", episodes_done=done,
+                            episodes_failed=failures, seconds=round(time.monotonic() - t_run, 3),
+                            finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            write_manifest(run_dir, manifest)
+            if owns_ray:
+                ray.shutdown()
+    return RunSummary(run_id, run_dir, built.snapshot, dict(built.baseline), stats,
+                      time.monotonic() - t_run, interrupted)
+
+
+def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds `run` to the `harness` command's subparsers."""
+    p = subparsers.add_parser(
+        "run", help="run a config's episodes (all sweep points) and write Parquet datasets",
+        description="Run CONFIG's episodes on a Ray actor pool; key=value overrides the YAML.",
+    )
+    p.add_argument("config", nargs="?", help="YAML config file, e.g. configs/median.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. episodes=10")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the environment even if it is cached")
+    p.add_argument("--describe", action="store_true", help="print every config key with its default and meaning")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # SUPPRESS: do not clobber a --debug given to the main `harness` parser.
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    p.set_defaults(run_command=run_command)
+    return p
+
+
+def _describe(out: Console) -> None:
+    table = Table(title="harness run: configuration keys")
+    for col in ("key", "type", "default", "meaning"):
+        table.add_column(col, overflow="fold")
+    for row in C.describe():
+        table.add_row(*row)
+    out.print(table)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Entry of `harness run`: 0 when every episode went well, 1 if some failed, 2 on errors."""
+    out, err = Console(), Console(stderr=True)
+    debug = bool(getattr(args, "debug", False))
+    try:
+        if getattr(args, "describe", False):
+            _describe(out)
+            return 0
+        if not args.config:
+            raise ConfigError("no config given; run `harness run CONFIG [key=value ...]`, e.g. configs/median.yaml")
+        overrides = list(args.overrides or [])
+        if getattr(args, "rebuild", False):
+            overrides.append("rebuild=true")
+        cfg = C.load_config(args.config, overrides)
+        summary = run(cfg, console=err, show_progress=not getattr(args, "no_progress", False))
+    except HarnessError as exc:
+        if debug:
+            raise
+        err.print(f"[red]harness run: error:[/red] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    except Exception as exc:
+        if debug:
+            raise
+        err.print(f"[red]harness run: internal error:[/red] {type(exc).__name__}: {' '.join(str(exc).split())}; "
+                  "run again with --debug for the traceback", highlight=False, soft_wrap=True)
+        return 2
+    out.print(summary_table(summary))
+    out.print(f"datasets: {summary.run_dir}  ({sum(p.episodes for p in summary.points)} episodes, "
+              f"{summary.errors} errors, {summary.seconds:.1f}s)", highlight=False, soft_wrap=True)
+    if summary.interrupted:
+        return 130
+    return 1 if summary.errors else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m harness.driver ...`: the same as `harness run ...`."""
+    parser = argparse.ArgumentParser(prog="harness")
+    add_run_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["run", *(sys.argv[1:] if argv is None else argv)])
+    return run_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -209,7 +209,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfi
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
     try:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        dotlist = OmegaConf.from_dotlist(list(overrides))
+    except Exception as exc:  # YAML syntax inside a value, e.g. a broken {a: [1]}
+        raise ConfigError(f"cannot parse overrides {' '.join(overrides)!r}: {' '.join(str(exc).split())[:200]}") from exc
+    try:
+        cfg = OmegaConf.merge(cfg, dotlist)
     except OmegaConfBaseException as exc:
         raise _error(exc, " on the command line") from exc
     # Relative host paths in a config file mean "next to the config file".

@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -178,7 +179,7 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
     env_data = OmegaConf.to_container(cfg.env, resolve=True)
     env_spec = EnvSpec.from_dict({**env_data, "type": cfg.sandbox.type})  # type: ignore[dict-item]
     with open_provider(cfg.sandbox.backend, **options) as provider:
-        built = build_env(provider, env_spec, rebuild=bool(cfg.rebuild), log=lambda m: console.print(f"[dim]{m}"))
+        built = build_env(provider, env_spec, rebuild=bool(cfg.rebuild), log=lambda m: console.print(f"[dim]{escape(m)}"))
 
     base = OmegaConf.to_container(cfg, resolve=False)
     manifest: dict[str, Any] = {
@@ -316,12 +317,12 @@ def run_command(args: argparse.Namespace) -> int:
     except HarnessError as exc:
         if debug:
             raise
-        err.print(f"[red]harness run: error:[/red] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]harness run: error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except Exception as exc:
         if debug:
             raise
-        err.print(f"[red]harness run: internal error:[/red] {type(exc).__name__}: {' '.join(str(exc).split())}; "
+        err.print(f"[red]harness run: internal error:[/red] {type(exc).__name__}: {escape(' '.join(str(exc).split()))}; "
                   "run again with --debug for the traceback", highlight=False, soft_wrap=True)
         return 2
     out.print(summary_table(summary))

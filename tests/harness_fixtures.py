@@ -68,6 +68,8 @@ class FakeSandbox(Sandbox):
         self._alive()
         workdir = self._path(cwd) if cwd else self.home
         environ = {"PATH": os.environ["PATH"], "HOME": str(self.home), **dict(self.spec.env), **dict(env or {})}
+        # The fake's home is a host directory: map the sandbox's absolute home path onto it.
+        command = command.replace(HOME, str(self.home))
         t0 = time.monotonic()
         try:
             p = subprocess.run(["sh", "-c", command], cwd=workdir, env=environ, input=stdin, capture_output=True,

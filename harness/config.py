@@ -212,7 +212,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfi
         dotlist = OmegaConf.from_dotlist(list(overrides))
     except Exception as exc:  # YAML syntax inside a value, e.g. a broken {a: [1]}
         raise ConfigError(f"cannot parse overrides {' '.join(overrides)!r}: {' '.join(str(exc).split())[:200]}") from exc
+    # `sweep=...` on the command line replaces the file's sweep instead of merging into it.
+    replace_sweep = "sweep" in dotlist and any(item.split("=", 1)[0].strip() == "sweep" for item in overrides)
     try:
+        if replace_sweep:
+            cfg.sweep = {}
         cfg = OmegaConf.merge(cfg, dotlist)
     except OmegaConfBaseException as exc:
         raise _error(exc, " on the command line") from exc

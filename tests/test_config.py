@@ -127,3 +127,9 @@ def test_median_config_loads() -> None:
     pts = C.points(cfg)
     assert len(pts) == 6 and {p["method"] for p in pts} == {"new_from", "fork"}
     assert C.point_config(cfg, pts[2])["policy"]["command"] == "cp policies/1.py task/stats.py"
+
+
+def test_sweep_on_the_command_line_replaces_the_files_sweep() -> None:
+    cfg = C.load_config(MEDIAN_CONFIG, ["sweep={policy.id: [1]}"])
+    assert C.points(cfg) == [{"policy.id": 1}]
+    assert C.points(C.load_config(MEDIAN_CONFIG, ["sweep={}"])) == [{}]

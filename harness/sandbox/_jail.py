@@ -1,0 +1,412 @@
+"""Starting, entering and killing one jail: bubblewrap over an overlayfs home.
+
+The jail is a long-lived init (bubblewrap's PID 1 plus a sleeping holder) that
+owns the sandbox's PID, mount, IPC, UTS and network namespaces. Commands enter
+those namespaces with nsenter as the sandbox user, so many execs share one
+filesystem view and background processes live on between them, as in a VM.
+
+The home is an overlay of the snapshot's layers under a per-sandbox tmpfs
+(upper and work dirs). Both are mounted on the host only long enough for
+bubblewrap to bind them, then detached: from then on they exist only inside
+the jail and vanish with it, so no crash leaves a mount behind. The tmpfs is
+also bound, root-only, at ``/.rw`` in the jail, which is how the host reads a
+live sandbox's changes (``/proc/<init>/root/.rw/upper``) to fork or snapshot it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import shlex
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.errors import MissingDependency, SandboxStartError, SandboxUnavailable
+
+SANDBOX_UID = 1000
+SANDBOX_GID = 1000
+_MS_NOSUID = 2
+_MS_NODEV = 4
+_MNT_DETACH = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+# Tools the jail needs, with the Debian package that ships each.
+REQUIRED_TOOLS = {"bwrap": "bubblewrap", "nsenter": "util-linux", "unshare": "util-linux"}
+NETWORK_TOOLS = {"slirp4netns": "slirp4netns"}
+
+
+def check_host(network: bool = False) -> None:
+    """Raise a one-line error naming the fix if this host cannot run jails."""
+    if os.geteuid() != 0:
+        raise SandboxUnavailable(
+            "the local sandbox backend needs root (it mounts overlayfs and manages cgroups): run as root or with sudo"
+        )
+    tools = {**REQUIRED_TOOLS, **(NETWORK_TOOLS if network else {})}
+    for tool, package in tools.items():
+        if shutil.which(tool) is None:
+            raise MissingDependency(tool, f"apt-get install -y {package}")
+    try:
+        has_overlay = "overlay" in Path("/proc/filesystems").read_text()
+    except OSError:
+        has_overlay = False
+    if not has_overlay:
+        subprocess.run(["modprobe", "overlay"], capture_output=True)
+        if "overlay" not in Path("/proc/filesystems").read_text():
+            raise SandboxUnavailable("the kernel has no overlayfs: load it with `modprobe overlay`")
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), to guard against pid reuse."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat_line.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):  # a zombie is dead, whatever its parent has not reaped yet
+        return None
+    return int(fields[19])
+
+
+def alive(pid: int | None, start_time: int | None) -> bool:
+    return bool(pid) and process_start_time(pid) == start_time  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class JailPaths:
+    rw: Path  # where the sandbox's tmpfs (the overlay's upper/ and work/) is mounted at start
+    merged: Path
+    lowers: tuple[Path, ...]  # top first, as overlayfs wants them
+    etc: Path  # generated passwd, group, hosts, resolv.conf
+
+
+@dataclass(frozen=True)
+class Jail:
+    init_pid: int
+    init_start: int
+    slirp_pid: int | None = None
+    slirp_start: int | None = None
+
+
+RW_IN_JAIL = "/.rw"
+
+
+def upper_view(init_pid: int) -> Path:
+    """The host path of a running jail's writable layer."""
+    return Path(f"/proc/{init_pid}/root{RW_IN_JAIL}/upper")
+
+
+def _mount(source: str, target: Path, fstype: str, flags: int, options: str) -> None:
+    if _libc.mount(source.encode(), str(target).encode(), fstype.encode(), flags, options.encode()) != 0:
+        err = ctypes.get_errno()
+        raise SandboxStartError(f"mounting {fstype} on {target} failed: {os.strerror(err)}")
+
+
+def _detach(target: Path) -> None:
+    _libc.umount2(str(target).encode(), _MNT_DETACH)
+
+
+def detach_leftovers(sandbox_dir: Path) -> None:
+    """Detach host mounts that a start interrupted by a crash may have left."""
+    for name in ("merged", "rw"):
+        _detach(sandbox_dir / name)
+
+
+def _root_links() -> list[str]:
+    """Mirror the host's top-level /bin, /lib... : symlinks on merged-/usr systems, binds elsewhere."""
+    args: list[str] = []
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        host = Path("/") / name
+        if host.is_symlink():
+            args += ["--symlink", os.readlink(host), f"/{name}"]
+        elif host.is_dir():
+            args += ["--ro-bind", str(host), f"/{name}"]
+    return args
+
+
+def bwrap_args(paths: JailPaths, *, hostname: str, tmp_bytes: int, info_fd: int) -> list[str]:
+    args = [
+        "bwrap",
+        "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
+        "--hostname", hostname,
+        "--cap-drop", "ALL",
+        "--ro-bind", "/usr", "/usr",
+        *_root_links(),
+        "--ro-bind", "/etc", "/etc",
+    ]
+    for name in ("passwd", "group", "hosts", "resolv.conf"):
+        args += ["--ro-bind", str(paths.etc / name), f"/etc/{name}"]
+    for secret in ("shadow", "gshadow", "shadow-", "gshadow-"):
+        if Path("/etc", secret).exists():
+            args += ["--ro-bind", str(paths.etc / "empty"), f"/etc/{secret}"]
+    args += [
+        "--proc", "/proc",
+        "--dev", "/dev",
+        "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
+        "--dir", "/var", "--symlink", "../tmp", "/var/tmp",
+        "--dir", "/run",
+        "--perms", "755", "--dir", "/home",
+        "--bind", str(paths.merged), "/home/user",
+        "--perms", "700", "--dir", RW_IN_JAIL,
+        "--bind", str(paths.rw), RW_IN_JAIL,
+        "--chdir", "/home/user",
+        "--info-fd", str(info_fd),
+        "--", "/bin/sleep", "infinity",
+    ]
+    return args
+
+
+def write_etc(etc: Path, network: bool) -> None:
+    """Write the jail's own passwd, group, hosts and resolv.conf (atomically: many
+    sandboxes may start at once)."""
+    tmp = etc.with_name(f".{etc.name}-{os.getpid()}-{time.monotonic_ns()}")
+    tmp.mkdir(parents=True)
+    files = {
+        "passwd": f"root:x:0:0:root:/root:/bin/sh\nuser:x:{SANDBOX_UID}:{SANDBOX_GID}:user:/home/user:/bin/sh\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+        "group": f"root:x:0:\nuser:x:{SANDBOX_GID}:\nnogroup:x:65534:\n",
+        "hosts": "127.0.0.1\tlocalhost\n::1\tlocalhost\n",
+        "resolv.conf": "nameserver 10.0.2.3\n" if network else "",
+        "empty": "",
+    }
+    for name, text in files.items():
+        (tmp / name).write_text(text)
+    try:
+        os.rename(tmp, etc)
+    except OSError:  # another process won the race; its files are the same
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def start(
+    paths: JailPaths,
+    *,
+    hostname: str,
+    tmp_bytes: int,
+    home_bytes: int,
+    network: bool,
+    cgroup_procs: Sequence[Path],
+    prefill: Callable[[Path], None] | None = None,
+    ready_timeout: float = 30.0,
+) -> Jail:
+    """Start a jail and return once commands can enter it. ``prefill`` gets the
+    path of the new upper dir to fill (a fork's files) before the overlay exists."""
+    upper, work = paths.rw / "upper", paths.rw / "work"
+    lower = ":".join(str(p) for p in paths.lowers)
+    _mount("tmpfs", paths.rw, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={home_bytes},mode=0700")
+    overlay_mounted = False
+    fds: list[int] = []
+    try:
+        os.mkdir(upper, 0o755)
+        os.chown(upper, SANDBOX_UID, SANDBOX_GID)
+        os.mkdir(work, 0o700)
+        if prefill is not None:
+            prefill(upper)
+        _mount(
+            "overlay", paths.merged, "overlay", 0,
+            f"lowerdir={lower},upperdir={upper},workdir={work},redirect_dir=off,index=off,metacopy=off",
+        )
+        overlay_mounted = True
+        info_r, info_w = os.pipe()
+        fds += [info_r, info_w]
+        exit_r = exit_w = None
+        pass_fds = [info_w]
+        if network:
+            # slirp4netns exits when every copy of exit_w is closed, i.e. with the jail.
+            exit_r, exit_w = os.pipe()
+            fds += [exit_r, exit_w]
+            pass_fds.append(exit_w)
+        argv = bwrap_args(paths, hostname=hostname, tmp_bytes=tmp_bytes, info_fd=info_w)
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                pass_fds=pass_fds,
+                start_new_session=True,
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+            )
+        except OSError as exc:
+            raise SandboxStartError(f"could not start the jail: {exc}") from exc
+        os.close(info_w)
+        fds.remove(info_w)
+        return _await_ready(proc, info_r, exit_r, network, ready_timeout, cgroup_procs)
+    finally:
+        # Once bubblewrap has bound them (or failed), the host needs them no more.
+        if overlay_mounted:
+            _detach(paths.merged)
+        _detach(paths.rw)
+        for fd in fds:
+            os.close(fd)
+
+
+def join_cgroups_argv(cgroup_procs: Sequence[Path]) -> list[str]:
+    """A tiny host shell that moves itself into the cgroups, then execs the rest,
+    so no process of the command ever runs outside them. Cheaper than a Python
+    preexec hook, which would force fork() of this whole process over vfork()."""
+    if not cgroup_procs:
+        return []
+    joins = "; ".join(f"echo 0 > {shlex.quote(str(p))}" for p in cgroup_procs)
+    return ["/bin/sh", "-c", f'{joins} && exec "$@"', "join"]
+
+
+def _holder_pid(init_pid: int) -> int | None:
+    """The pid of the jail's holder once bubblewrap has finished setting up and
+    exec'd it (its name turns from bwrap to sleep)."""
+    try:
+        children = Path(f"/proc/{init_pid}/task/{init_pid}/children").read_text().split()
+        for child in children:
+            if Path(f"/proc/{child}/comm").read_text().strip() == "sleep":
+                return int(child)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _await_ready(
+    proc: subprocess.Popen,
+    info_r: int,
+    exit_r: int | None,
+    network: bool,
+    timeout: float,
+    cgroup_procs: Sequence[Path],
+) -> Jail:
+    try:
+        info = _read_json(info_r, timeout)
+        init_pid = int(info["child-pid"]) if info else 0
+        holder = None
+        deadline = time.monotonic() + timeout
+        pause = 0.00005
+        while init_pid and proc.poll() is None and time.monotonic() < deadline:
+            holder = _holder_pid(init_pid)
+            if holder:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+        if not holder:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            err = proc.stderr.read().decode(errors="replace").strip()  # type: ignore[union-attr]
+            raise SandboxStartError(f"the jail did not start: {err or 'timed out'}")
+        # Only bubblewrap's init and the sleeping holder exist yet, so moving
+        # them into the cgroups now is as safe as starting there, and cheaper.
+        for procs in cgroup_procs:
+            for pid in (init_pid, holder):
+                procs.write_text(str(pid))
+        init_start = process_start_time(init_pid) or 0
+        slirp_pid = slirp_start = None
+        if network:
+            assert exit_r is not None
+            slirp_pid = _start_slirp(init_pid, exit_r, timeout)
+            slirp_start = process_start_time(slirp_pid)
+        return Jail(
+            init_pid=init_pid,
+            init_start=init_start,
+            slirp_pid=slirp_pid,
+            slirp_start=slirp_start,
+        )
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        if proc.stderr is not None:
+            proc.stderr.close()
+        # The Popen object is dropped; subprocess reaps bubblewrap on a later call.
+
+
+def _read_json(fd: int, timeout: float) -> dict | None:
+    import select
+
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return None
+        buf += chunk
+        try:
+            return json.loads(buf)
+        except ValueError:
+            continue
+
+
+def _start_slirp(init_pid: int, exit_fd: int, timeout: float) -> int:
+    ready_r, ready_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [
+                "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
+                f"--exit-fd={exit_fd}", f"--ready-fd={ready_w}", str(init_pid), "tap0",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            pass_fds=[exit_fd, ready_w],
+            start_new_session=True,
+        )
+    finally:
+        os.close(ready_w)
+    import select
+
+    try:
+        ok = bool(select.select([ready_r], [], [], timeout)[0]) and os.read(ready_r, 1) == b"1"
+    finally:
+        os.close(ready_r)
+    if not ok:
+        proc.kill()
+        err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""  # type: ignore[union-attr]
+        proc.wait()
+        raise SandboxStartError(f"slirp4netns did not configure the sandbox network: {err or 'timed out'}")
+    if proc.stderr is not None:
+        proc.stderr.close()
+    return proc.pid
+
+
+def enter_argv(init_pid: int, command: str, cwd: str | None, cgroup_procs: Sequence[Path] = ()) -> list[str]:
+    """argv that runs ``sh -c command`` inside the jail as the sandbox user.
+
+    Every mount in the jail is nosuid (bubblewrap's rule), so after nsenter drops
+    to the sandbox uid no capability can come back. A tiny host shell joins the
+    cgroups first so that no process of the command ever runs outside them; it
+    is faster than a Python preexec hook, which would force fork over vfork."""
+    argv = join_cgroups_argv(cgroup_procs) + [
+        "nsenter", "-t", str(init_pid), "-m", "-u", "-i", "-n", "-p", "-r", "-w",
+        "-S", str(SANDBOX_UID), "-G", str(SANDBOX_GID), "--",
+    ]
+    if cwd:
+        argv += ["/usr/bin/env", "-C", cwd, "--"]
+    return argv + ["/bin/sh", "-c", command]
+
+
+def kill(jail_init_pid: int | None, init_start: int | None, *, wait_s: float = 5.0) -> None:
+    """SIGKILL the jail's PID 1: the kernel then kills every process in its PID namespace."""
+    if not jail_init_pid or not alive(jail_init_pid, init_start):
+        return
+    try:
+        os.kill(jail_init_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + wait_s
+    while alive(jail_init_pid, init_start) and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def kill_pid(pid: int | None, start_time: int | None) -> None:
+    if pid and alive(pid, start_time):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,72 @@
+"""Shared fixtures: a private state directory, a sandbox provider per backend,
+and a leak check after every test that used sandboxes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from harness.sandbox import open_provider
+
+BACKENDS = ["local"]
+
+
+def pytest_configure(config):
+    if os.geteuid() != 0:
+        raise pytest.UsageError("the test suite needs root (the local sandbox backend mounts and uses cgroups)")
+
+
+@pytest.fixture(scope="session")
+def state_dir():
+    """One state directory for the whole session, outside the user's own."""
+    path = Path(tempfile.mkdtemp(prefix="harness-test-"))
+    old = os.environ.get("HARNESS_HOME")
+    os.environ["HARNESS_HOME"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("HARNESS_HOME", None)
+    else:
+        os.environ["HARNESS_HOME"] = old
+    provider = open_provider("local", state_dir=path)
+    for info in provider.list():
+        provider.get(info.id).delete()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def local_provider(state_dir):
+    return open_provider("local", state_dir=state_dir)
+
+
+@pytest.fixture(params=BACKENDS)
+def provider(request, local_provider):
+    """The provider of each backend; every backend must pass the same tests."""
+    if request.param == "local":
+        yield local_provider
+    else:  # pragma: no cover - backends join here as they are written
+        raise AssertionError(request.param)
+
+
+def live_leftovers(provider) -> list[str]:
+    return [i.id for i in provider.list()]
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_sandboxes(request):
+    """Fail a test that leaves sandboxes, jailed processes, mounts or cgroups behind."""
+    if "local_provider" not in request.fixturenames and "provider" not in request.fixturenames:
+        yield
+        return
+    provider = request.getfixturevalue("local_provider")
+    before = set(live_leftovers(provider))
+    yield
+    leaked = set(live_leftovers(provider)) - before
+    for sandbox_id in leaked:
+        provider.get(sandbox_id).delete()
+    assert not leaked, f"test leaked sandboxes: {sorted(leaked)}"
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert str(provider.sandboxes_dir) not in mounts, "a sandbox mount was left on the host"

@@ -1,0 +1,108 @@
+"""Local-backend specifics: state on disk, layer chains, garbage collection, limits."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from harness.sandbox import SANDBOX_TYPES, SandboxSpec, open_provider
+from harness.sandbox._store import MAX_CHAIN
+
+
+def test_sandboxes_and_snapshots_survive_a_new_provider(local_provider, state_dir):
+    name = f"persist-{uuid.uuid4().hex[:6]}"
+    sb = local_provider.create(SandboxSpec(ttl_s=600))
+    try:
+        sb.exec("echo kept > f && (nohup sleep 120 > /dev/null 2>&1 &)")
+        sb.snapshot(name)
+        # A second process (here: a second provider) finds both.
+        other = open_provider("local", state_dir=state_dir)
+        again = other.get(sb.id)
+        assert again.read_file("f") == b"kept\n"
+        assert "sleep 120" in again.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").text()
+        assert other.snapshot_info(name).source_sandbox_id == sb.id
+    finally:
+        sb.delete()
+        local_provider.delete_snapshot(name)
+
+
+def test_long_snapshot_chains_are_squashed(local_provider):
+    names = []
+    sb = local_provider.create(SandboxSpec(ttl_s=600))
+    try:
+        for i in range(MAX_CHAIN + 1):
+            sb.exec(f"echo {i} > f{i} && rm -f f{i - 2}")
+            name = f"chain-{uuid.uuid4().hex[:6]}-{i}"
+            info = sb.snapshot(name)
+            names.append(name)
+            sb.delete()
+            sb = local_provider.create(SandboxSpec(ttl_s=600), from_snapshot=name)
+        assert len(info.layers) == 1, "the chain was not squashed"
+        assert sorted(sb.exec("ls").text().split()) == [f"f{MAX_CHAIN - 1}", f"f{MAX_CHAIN}"]
+    finally:
+        sb.delete()
+        for name in names:
+            local_provider.delete_snapshot(name)
+
+
+def test_gc_removes_layers_nothing_uses(local_provider):
+    name = f"gc-{uuid.uuid4().hex[:6]}"
+    with local_provider.create(SandboxSpec(ttl_s=600)) as sb:
+        sb.exec(f"echo {uuid.uuid4().hex} > unique")
+        layer = sb.snapshot(name).layers[-1]
+    assert local_provider.layers.path(layer).is_dir()
+    local_provider.gc()
+    assert local_provider.layers.path(layer).is_dir(), "gc removed a layer a snapshot uses"
+    local_provider.delete_snapshot(name)
+    assert layer in local_provider.gc().removed_layers
+    assert not local_provider.layers.path(layer).exists()
+
+
+def test_identical_content_shares_one_layer(local_provider):
+    a, b = (f"same-{uuid.uuid4().hex[:6]}" for _ in range(2))
+    layers = []
+    for name in (a, b):
+        with local_provider.create(SandboxSpec(ttl_s=600)) as sb:
+            sb.exec("mkdir -p d && echo same > d/f && touch -d 2020-01-01 d/f d")
+            layers.append(sb.snapshot(name).layers)
+    try:
+        assert layers[0] == layers[1]
+    finally:
+        local_provider.delete_snapshot(a)
+        local_provider.delete_snapshot(b)
+
+
+@pytest.mark.parametrize("kind", ["small", "large"])
+def test_type_limits_are_applied(local_provider, kind):
+    res = SANDBOX_TYPES[kind]
+    with local_provider.create(SandboxSpec(type=kind, ttl_s=600)) as sb:
+        sizes = sb.exec("df -B1 --output=size /tmp /home/user | tail -n +2").text().split()
+        assert [int(x) for x in sizes] == [res.tmp_bytes, res.home_bytes]
+        cg = local_provider.cgroup(sb.id)
+        layout = cg.layout
+        if layout.version == 1:
+            dirs = cg._v1_dirs()
+            assert int((dirs["memory"] / "memory.limit_in_bytes").read_text()) == res.memory_bytes
+            assert int((dirs["pids"] / "pids.max").read_text()) == res.pids
+        elif layout.version == 2:
+            d = cg._v2_dir()
+            assert int((d / "memory.max").read_text()) == res.memory_bytes
+            assert int((d / "pids.max").read_text()) == res.pids
+        else:
+            pytest.fail("no cgroups on this machine: limits cannot be checked")
+
+
+def test_a_crashed_create_is_cleaned_by_gc(local_provider):
+    # A directory without a record is what a create killed half-way leaves.
+    stray = local_provider.sandboxes_dir / "sb_crashed000"
+    (stray / "rw").mkdir(parents=True)
+    import os
+    import time
+
+    old = time.time() - 120
+    os.utime(stray, (old, old))
+    local_provider.gc()
+    assert not stray.exists()
+    assert not any(p.name.startswith(".trash-") for p in Path(local_provider.sandboxes_dir).iterdir())

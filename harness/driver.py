@@ -286,7 +286,7 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # SUPPRESS: do not clobber a --debug given to the main `harness` parser.
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    p.set_defaults(run_command=run_command)
+    p.set_defaults(func=run_command)
     return p
 
 

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from omegaconf import OmegaConf  # noqa: E402
+from rich.console import Console  # noqa: E402
 
 from harness.config import load_config  # noqa: E402
 from harness.dataset import load_episodes  # noqa: E402
@@ -79,7 +80,7 @@ def host_grader(runs: int, work: Path) -> tuple[float, float]:
 def harness_run(overrides: list[str], run_id: str, out: Path) -> dict[str, float]:
     cfg = load_config(CONFIG, overrides + [f"output.dir={out}", f"output.run_id={run_id}", "sweep={}"])
     c0 = machine_cpu_seconds()
-    summary = run(cfg, show_progress=False)
+    summary = run(cfg, show_progress=False, console=Console(quiet=True))
     cpu = machine_cpu_seconds() - c0
     t = load_episodes(summary.run_dir).to_pandas()
     wall = (t.finished_at.max() - t.started_at.min()).total_seconds()

@@ -29,7 +29,8 @@ pytestmark = needs_sandbox
 
 def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "120"}
-    return subprocess.run([sys.executable, "-m", "harness.driver", *args], cwd=ROOT, capture_output=True,
+    """`harness run ARGS` through the real command-line entry point."""
+    return subprocess.run([sys.executable, "-m", "harness.cli", "run", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 
@@ -44,7 +45,8 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
         assert p.returncode == 2, p.stderr
         assert needle in p.stderr and "Traceback" not in p.stderr
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
-    p = cli(str(MEDIAN_CONFIG), "polcy.id=1", "--debug")
+    p = subprocess.run([sys.executable, "-m", "harness.cli", "--debug", "run", str(MEDIAN_CONFIG), "polcy.id=1"],
+                       cwd=ROOT, capture_output=True, text=True)
     assert p.returncode != 0 and "Traceback" in p.stderr
 
 

@@ -16,6 +16,8 @@ need=()
 command -v bwrap >/dev/null || need+=(bubblewrap)
 command -v slirp4netns >/dev/null || need+=(slirp4netns)
 command -v nsenter >/dev/null || need+=(util-linux)
+command -v jq >/dev/null || need+=(jq)
+command -v bc >/dev/null || need+=(bc)
 /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${need[*]}"

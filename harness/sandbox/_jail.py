@@ -5,12 +5,13 @@ owns the sandbox's PID, mount, IPC, UTS and network namespaces. Commands enter
 those namespaces with nsenter as the sandbox user, so many execs share one
 filesystem view and background processes live on between them, as in a VM.
 
-The home is an overlay of the snapshot's layers under a per-sandbox tmpfs
-(upper and work dirs). Both are mounted on the host only long enough for
-bubblewrap to bind them, then detached: from then on they exist only inside
-the jail and vanish with it, so no crash leaves a mount behind. The tmpfs is
-also bound, root-only, at ``/.rw`` in the jail, which is how the host reads a
-live sandbox's changes (``/proc/<init>/root/.rw/upper``) to fork or snapshot it.
+The home is an overlay of read-only layers under an upper dir that lives on
+the provider's in-memory "run" filesystem. The overlay is mounted on the host
+only long enough for bubblewrap to bind it, then detached: from then on it
+exists only inside the jail and vanishes with it. The run and layer
+directories are also bound, root-only and at the same paths, into the jail, so
+that the backend can later stack a new overlay there (see ``restack``): that is
+what makes a fork O(1) whatever the size of the sandbox's changes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import signal
 import shlex
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,10 +82,12 @@ def alive(pid: int | None, start_time: int | None) -> bool:
 
 @dataclass(frozen=True)
 class JailPaths:
-    rw: Path  # where the sandbox's tmpfs (the overlay's upper/ and work/) is mounted at start
-    merged: Path
+    merged: Path  # where the overlay is mounted on the host while the jail starts
+    upper: Path
+    work: Path
     lowers: tuple[Path, ...]  # top first, as overlayfs wants them
     etc: Path  # generated passwd, group, hosts, resolv.conf
+    state_binds: tuple[Path, ...]  # root-only dirs bound at the same path (run and layers)
 
 
 @dataclass(frozen=True)
@@ -95,12 +98,15 @@ class Jail:
     slirp_start: int | None = None
 
 
-RW_IN_JAIL = "/.rw"
+def overlay_options(lowers: Sequence[Path], upper: Path, work: Path) -> str:
+    # redirect_dir/index/metacopy off: a layer must stay valid on its own when
+    # it is later stacked under other layers (snapshots, forks).
+    lower = ":".join(str(p) for p in lowers)
+    return f"lowerdir={lower},upperdir={upper},workdir={work},redirect_dir=off,index=off,metacopy=off"
 
 
-def upper_view(init_pid: int) -> Path:
-    """The host path of a running jail's writable layer."""
-    return Path(f"/proc/{init_pid}/root{RW_IN_JAIL}/upper")
+def mount_tmpfs(target: Path, size_bytes: int) -> None:
+    _mount("tmpfs", target, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size_bytes},mode=0700")
 
 
 def _mount(source: str, target: Path, fstype: str, flags: int, options: str) -> None:
@@ -114,9 +120,21 @@ def _detach(target: Path) -> None:
 
 
 def detach_leftovers(sandbox_dir: Path) -> None:
-    """Detach host mounts that a start interrupted by a crash may have left."""
-    for name in ("merged", "rw"):
-        _detach(sandbox_dir / name)
+    """Detach a host mount that a start interrupted by a crash may have left."""
+    _detach(sandbox_dir / "merged")
+
+
+def restack(init_pid: int, lowers: Sequence[Path], upper: Path, work: Path) -> None:
+    """Mount a new overlay over a running jail's home, inside its mount namespace.
+    The paths are the same there as on the host (see ``state_binds``)."""
+    proc = subprocess.run(
+        ["nsenter", "-t", str(init_pid), "-m", "--", "mount", "-t", "overlay", "overlay",
+         "-o", overlay_options(lowers, upper, work), "/home/user"],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise SandboxStartError(f"restacking the home of jail {init_pid} failed: {proc.stderr.strip()}")
 
 
 def _root_links() -> list[str]:
@@ -154,8 +172,10 @@ def bwrap_args(paths: JailPaths, *, hostname: str, tmp_bytes: int, info_fd: int)
         "--dir", "/run",
         "--perms", "755", "--dir", "/home",
         "--bind", str(paths.merged), "/home/user",
-        "--perms", "700", "--dir", RW_IN_JAIL,
-        "--bind", str(paths.rw), RW_IN_JAIL,
+    ]
+    for path in paths.state_binds:
+        args += ["--bind", str(path), str(path)]
+    args += [
         "--chdir", "/home/user",
         "--info-fd", str(info_fd),
         "--", "/bin/sleep", "infinity",
@@ -189,43 +209,26 @@ def start(
     *,
     hostname: str,
     tmp_bytes: int,
-    home_bytes: int,
     network: bool,
     cgroup_procs: Sequence[Path],
-    prefill: Callable[[Path], None] | None = None,
     ready_timeout: float = 30.0,
 ) -> Jail:
-    """Start a jail and return once commands can enter it. ``prefill`` gets the
-    path of the new upper dir to fill (a fork's files) before the overlay exists."""
-    upper, work = paths.rw / "upper", paths.rw / "work"
-    lower = ":".join(str(p) for p in paths.lowers)
-    _mount("tmpfs", paths.rw, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={home_bytes},mode=0700")
-    overlay_mounted = False
+    """Start a jail over existing upper and work dirs; return once commands can enter it."""
+    _mount("overlay", paths.merged, "overlay", 0, overlay_options(paths.lowers, paths.upper, paths.work))
     fds: list[int] = []
     try:
-        os.mkdir(upper, 0o755)
-        os.chown(upper, SANDBOX_UID, SANDBOX_GID)
-        os.mkdir(work, 0o700)
-        if prefill is not None:
-            prefill(upper)
-        _mount(
-            "overlay", paths.merged, "overlay", 0,
-            f"lowerdir={lower},upperdir={upper},workdir={work},redirect_dir=off,index=off,metacopy=off",
-        )
-        overlay_mounted = True
         info_r, info_w = os.pipe()
         fds += [info_r, info_w]
-        exit_r = exit_w = None
+        exit_r = None
         pass_fds = [info_w]
         if network:
             # slirp4netns exits when every copy of exit_w is closed, i.e. with the jail.
             exit_r, exit_w = os.pipe()
             fds += [exit_r, exit_w]
             pass_fds.append(exit_w)
-        argv = bwrap_args(paths, hostname=hostname, tmp_bytes=tmp_bytes, info_fd=info_w)
         try:
             proc = subprocess.Popen(
-                argv,
+                bwrap_args(paths, hostname=hostname, tmp_bytes=tmp_bytes, info_fd=info_w),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
@@ -239,10 +242,8 @@ def start(
         fds.remove(info_w)
         return _await_ready(proc, info_r, exit_r, network, ready_timeout, cgroup_procs)
     finally:
-        # Once bubblewrap has bound them (or failed), the host needs them no more.
-        if overlay_mounted:
-            _detach(paths.merged)
-        _detach(paths.rw)
+        # Once bubblewrap has bound it (or failed), the host needs the mount no more.
+        _detach(paths.merged)
         for fd in fds:
             os.close(fd)
 
@@ -379,16 +380,15 @@ def enter_argv(init_pid: int, command: str, cwd: str | None, cgroup_procs: Seque
     """argv that runs ``sh -c command`` inside the jail as the sandbox user.
 
     Every mount in the jail is nosuid (bubblewrap's rule), so after nsenter drops
-    to the sandbox uid no capability can come back. A tiny host shell joins the
-    cgroups first so that no process of the command ever runs outside them; it
-    is faster than a Python preexec hook, which would force fork over vfork."""
-    argv = join_cgroups_argv(cgroup_procs) + [
-        "nsenter", "-t", str(init_pid), "-m", "-u", "-i", "-n", "-p", "-r", "-w",
+    to the sandbox uid no capability can come back. The command starts with a
+    ``cd`` on a line of its own: the home may have been restacked since the
+    jail started, and a path lookup is what finds the top overlay."""
+    prologue = f"cd -- {shlex.quote(cwd or '/home/user')} || exit 2\n"
+    return join_cgroups_argv(cgroup_procs) + [
+        "nsenter", "-t", str(init_pid), "-m", "-u", "-i", "-n", "-p", "-r",
         "-S", str(SANDBOX_UID), "-G", str(SANDBOX_GID), "--",
+        "/bin/sh", "-c", prologue + command,
     ]
-    if cwd:
-        argv += ["/usr/bin/env", "-C", cwd, "--"]
-    return argv + ["/bin/sh", "-c", command]
 
 
 def kill(jail_init_pid: int | None, init_start: int | None, *, wait_s: float = 5.0) -> None:

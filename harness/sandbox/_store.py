@@ -194,6 +194,10 @@ class SnapshotStore:
                 continue
         return sorted(out, key=lambda s: s.created_at)
 
+    def check_free(self, name: str) -> None:
+        if self._file(name).exists():
+            raise SnapshotExists(f"a snapshot named {name!r} exists; pick another name or delete it first")
+
     def put(self, name: str, chain: list[str], *, source: str | None, type_: str, parent: str | None) -> SnapshotInfo:
         path = self._file(name)
         if len(chain) > MAX_CHAIN:

@@ -44,17 +44,14 @@ class Resources(_Record):
     memory_bytes: int
     pids: int
     tmp_bytes: int
-    #: Cap on what the sandbox may write to its home (it lives in memory, so
-    #: writes there also count against ``memory_bytes``).
-    home_bytes: int
 
 
 #: The sandbox types and their limits. Memory includes what the sandbox writes to
 #: /tmp and to its home: both are in memory (tmpfs), which makes forks cheap.
 SANDBOX_TYPES: dict[str, Resources] = {
-    "small": Resources(cpus=1.0, memory_bytes=2 << 30, pids=512, tmp_bytes=512 << 20, home_bytes=2 << 30),
-    "medium": Resources(cpus=2.0, memory_bytes=4 << 30, pids=1024, tmp_bytes=1 << 30, home_bytes=4 << 30),
-    "large": Resources(cpus=4.0, memory_bytes=8 << 30, pids=4096, tmp_bytes=2 << 30, home_bytes=8 << 30),
+    "small": Resources(cpus=1.0, memory_bytes=2 << 30, pids=512, tmp_bytes=512 << 20),
+    "medium": Resources(cpus=2.0, memory_bytes=4 << 30, pids=1024, tmp_bytes=1 << 30),
+    "large": Resources(cpus=4.0, memory_bytes=8 << 30, pids=4096, tmp_bytes=2 << 30),
 }
 
 

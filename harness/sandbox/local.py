@@ -2,17 +2,24 @@
 
 Each sandbox is a bubblewrap jail with its own PID, mount, IPC, UTS and network
 namespaces over an overlayfs home (see ``_jail``), limited by a cgroup (see
-``_cgroup``), started empty or from a snapshot's layers (see ``_store``). All
-state lives on disk under the state directory, so sandboxes and snapshots
+``_cgroup``), started empty or from a snapshot's layers (see ``_store``).
+Records live on disk under the state directory, so sandboxes and snapshots
 outlive the process that made them; time-to-live is enforced on every call and
 by ``gc``.
 
+What a sandbox writes lives in memory, on the provider's "run" tmpfs, and
+counts against the sandbox's memory limit. That buys O(1) forks: forking an
+idle sandbox turns its upper dir into a read-only "ephemeral" layer by a rename
+on that tmpfs, restacks the source's home over it, and starts the child over the
+same layers. A source with commands still running is frozen and copied instead.
+
 State layout::
 
-    <state>/layers/<sha256>/           immutable layers (overlayfs upper format)
+    <state>/layers/<sha256>/           immutable layers on disk (overlayfs upper format)
     <state>/snapshots/<name>.json      snapshot records
-    <state>/sandboxes/<id>/meta.json   one live sandbox: upper/, work/, merged/, etc/
+    <state>/sandboxes/<id>/meta.json   one sandbox's record (and merged/, lock)
     <state>/sandboxes/.trash-<id>/     a sandbox being deleted (gc finishes it)
+    <state>/run/                       tmpfs: <id>/upper-N, <id>/work-N, eph/<uuid>/
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+import uuid
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -82,7 +90,8 @@ class _Meta:
     network: bool
     created_at: float
     expires_at: float | None
-    layers: tuple[str, ...]  # bottom first
+    layers: tuple[str, ...]  # bottom first: a sha256 (on disk) or "eph/<uuid>" (in memory)
+    generation: int = 0  # which upper-N/work-N is the sandbox's current writable layer
     from_snapshot: str | None = None
     resumed_from: str | None = None
     env: dict[str, str] = field(default_factory=dict)
@@ -123,12 +132,40 @@ class LocalProvider(Provider):
         self.snapshot_store = SnapshotStore(self.state_dir / "snapshots", self.layers)
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.layers.root.chmod(0o700)
+        self.run_dir = self.state_dir / "run"
+        self._mount_run()
         self.cgroup_layout = Layout.detect()
         # Several state dirs (tests, users) may share a machine: cgroup names carry
         # a prefix of this one's so gc never touches another's groups.
         self._cg_prefix = hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:8]
 
     # -- helpers ---------------------------------------------------------------
+    def _mount_run(self) -> None:
+        """Mount the in-memory run filesystem once per boot (half the RAM at most)."""
+        self.run_dir.mkdir(exist_ok=True)
+        with open(self.state_dir / ".run.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.ismount(self.run_dir):
+                pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                _jail.mount_tmpfs(self.run_dir, pages // 2)
+            (self.run_dir / "eph").mkdir(exist_ok=True)
+
+    def layer_path(self, layer: str) -> Path:
+        return self.run_dir / layer if layer.startswith("eph/") else self.layers.path(layer)
+
+    def _rw(self, meta: _Meta) -> tuple[Path, Path]:
+        """The sandbox's current upper and work dirs."""
+        base = self.run_dir / meta.id
+        return base / f"upper-{meta.generation}", base / f"work-{meta.generation}"
+
+    def _new_rw(self, meta: _Meta) -> tuple[Path, Path]:
+        upper, work = self._rw(meta)
+        upper.mkdir(parents=True, mode=0o755)
+        os.chown(upper, _jail.SANDBOX_UID, _jail.SANDBOX_GID)
+        work.mkdir(mode=0o700)
+        return upper, work
+
     def _etc(self, network: bool) -> Path:
         """Generated /etc files, shared by all sandboxes with the same network setting."""
         etc = self.state_dir / "etc" / ("net" if network else "nonet")
@@ -177,10 +214,8 @@ class LocalProvider(Provider):
         return meta
 
     def upper_dir(self, meta: _Meta) -> Path:
-        """The host path of a running sandbox's writable layer."""
-        if not meta.init_pid:
-            raise SandboxNotFound(f"sandbox {meta.id} is not running")
-        return _jail.upper_view(meta.init_pid)
+        """The host path of a sandbox's writable layer."""
+        return self._rw(meta)[0]
 
     def _info(self, meta: _Meta) -> SandboxInfo:
         status = "expired" if meta.expired() else ("running" if meta.running() else "stopped")
@@ -212,12 +247,12 @@ class LocalProvider(Provider):
             **extra,
         )
         d = self._dir(meta.id)
-        for sub in ("rw", "merged"):
-            (d / sub).mkdir(parents=True)
+        (d / "merged").mkdir(parents=True)
         meta.save(d / "meta.json")
+        self._new_rw(meta)
         return meta
 
-    def _launch(self, meta: _Meta, prefill: Callable[[Path], None] | None = None) -> _Meta:
+    def _launch(self, meta: _Meta) -> _Meta:
         """Start the jail of a sandbox whose directory exists; saves its pids."""
         if meta.network:
             _jail.check_host(network=True)
@@ -225,17 +260,22 @@ class LocalProvider(Provider):
         res = SANDBOX_TYPES[meta.type]
         cg = self.cgroup(meta.id)
         cg.create(res)
-        lowers = tuple(self.layers.path(layer) for layer in reversed(meta.layers))
-        paths = _jail.JailPaths(rw=d / "rw", merged=d / "merged", lowers=lowers, etc=self._etc(meta.network))
+        upper, work = self._rw(meta)
+        paths = _jail.JailPaths(
+            merged=d / "merged",
+            upper=upper,
+            work=work,
+            lowers=tuple(self.layer_path(layer) for layer in reversed(meta.layers)),
+            etc=self._etc(meta.network),
+            state_binds=(self.run_dir, self.layers.root),
+        )
         try:
             jail = _jail.start(
                 paths,
                 hostname=meta.id,
                 tmp_bytes=res.tmp_bytes,
-                home_bytes=res.home_bytes,
                 network=meta.network,
                 cgroup_procs=cg.leaf_procs("init"),
-                prefill=prefill,
             )
         except BaseException:
             cg.remove()
@@ -250,9 +290,9 @@ class LocalProvider(Provider):
         meta.save(d / "meta.json")
         return meta
 
-    def _start_new(self, meta: _Meta, prefill: Callable[[Path], None] | None = None) -> LocalSandbox:
+    def _start_new(self, meta: _Meta) -> LocalSandbox:
         try:
-            meta = self._launch(meta, prefill)
+            meta = self._launch(meta)
         except BaseException:
             self._destroy(meta.id)
             raise
@@ -279,6 +319,7 @@ class LocalProvider(Provider):
         cg.remove()
         _jail.detach_leftovers(trash)
         shutil.rmtree(trash, ignore_errors=True)
+        shutil.rmtree(self.run_dir / sandbox_id, ignore_errors=True)
         return True
 
     # -- Provider --------------------------------------------------------------
@@ -346,6 +387,12 @@ class LocalProvider(Provider):
                     used.update(self._load(d.name).layers)
                 except SandboxNotFound:
                     continue
+        for d in self.run_dir.iterdir():
+            if _ID_RE.match(d.name) and not self._dir(d.name).exists():
+                shutil.rmtree(d, ignore_errors=True)
+        for eph in (self.run_dir / "eph").iterdir():
+            if f"eph/{eph.name}" not in used:
+                shutil.rmtree(eph, ignore_errors=True)
         removed = []
         for layer in self.layers.all():
             if layer not in used and layer != LayerStore.EMPTY:
@@ -441,36 +488,72 @@ class LocalSandbox(Sandbox):
     def snapshot(self, name: str) -> SnapshotInfo:
         check_name(name)
         store = self.provider.snapshot_store
-        if (store.root / f"{name}.json").exists():
-            store.put(name, [], source=None, type_="", parent=None)  # raises SnapshotExists
-        meta = self.provider._live(self.id)
+        store.check_free(name)
+        with self.provider._locked(self.id):
+            meta = self.provider._live(self.id)
+            tmp = self.provider.layers.new_tmp()
+            with self._frozen():
+                copy_tree(self.provider.upper_dir(meta), tmp)
+        chain = [self._persist(layer) for layer in meta.layers]
+        if top := self.provider.layers.add(tmp):
+            chain.append(top)
+        chain = [x for x in chain if x != LayerStore.EMPTY] or [LayerStore.EMPTY]
+        return store.put(name, chain, source=self.id, type_=meta.type, parent=meta.from_snapshot)
+
+    def _persist(self, layer: str) -> str:
+        """An on-disk layer with the content of ``layer`` (itself if it is on disk)."""
+        if not layer.startswith("eph/"):
+            return layer
         tmp = self.provider.layers.new_tmp()
-        with self._frozen():
-            copy_tree(self.provider.upper_dir(meta), tmp)
-        layer = self.provider.layers.add(tmp)
-        chain = [x for x in meta.layers if x != LayerStore.EMPTY] + ([layer] if layer else [])
-        return store.put(name, chain or [LayerStore.EMPTY], source=self.id, type_=meta.type, parent=meta.from_snapshot)
+        copy_tree(self.provider.layer_path(layer), tmp)
+        return self.provider.layers.add(tmp) or LayerStore.EMPTY
 
     def fork(self, spec: SandboxSpec | None = None) -> LocalSandbox:
-        meta = self.provider._live(self.id)
-        spec = spec or SandboxSpec(type=meta.type, network=meta.network, env=meta.env)  # type: ignore[arg-type]
-        child = self.provider._new_meta(spec, meta.layers, from_snapshot=meta.from_snapshot, resumed_from=self.id)
-        source_upper = self.provider.upper_dir(meta)
+        provider = self.provider
+        with provider._locked(self.id):
+            meta = provider._live(self.id)
+            spec = spec or SandboxSpec(type=meta.type, network=meta.network, env=meta.env)  # type: ignore[arg-type]
+            cg = provider.cgroup(self.id)
+            cg.freeze()
+            try:
+                if cg.exec_pids():
+                    # Commands are running: their open files pin the current home,
+                    # so it cannot be restacked; copy the changes instead.
+                    child = provider._new_meta(spec, meta.layers, from_snapshot=meta.from_snapshot, resumed_from=self.id)
+                    try:
+                        copy_tree(provider.upper_dir(meta), provider.upper_dir(child))
+                    except BaseException:
+                        provider._destroy(child.id)
+                        raise
+                else:
+                    meta = self._promote(meta)
+                    child = provider._new_meta(spec, meta.layers, from_snapshot=meta.from_snapshot, resumed_from=self.id)
+            finally:
+                cg.thaw()
+        return provider._start_new(child)
 
-        def copy_files(child_upper: Path) -> None:
-            with self._frozen():
-                copy_tree(source_upper, child_upper)
-
-        return self.provider._start_new(child, prefill=copy_files)
+    def _promote(self, meta: _Meta) -> _Meta:
+        """Freeze the source's changes into an ephemeral layer (a rename: O(1)) and
+        restack its home over it, so source and children share it read-only."""
+        provider = self.provider
+        upper, _ = provider._rw(meta)
+        if not any(upper.iterdir()):
+            return meta  # nothing changed since the last fork: reuse the layers
+        layer = f"eph/{uuid.uuid4().hex}"
+        os.rename(upper, provider.layer_path(layer))
+        promoted = replace(meta, layers=(*meta.layers, layer), generation=meta.generation + 1)
+        new_upper, new_work = provider._new_rw(promoted)
+        lowers = [provider.layer_path(x) for x in reversed(promoted.layers)]
+        _jail.restack(meta.init_pid or 0, lowers, new_upper, new_work)
+        promoted.save(provider._dir(self.id) / "meta.json")
+        return promoted
 
     @contextmanager
     def _frozen(self) -> Iterator[None]:
         """Hold the sandbox's processes still so a copy of its files is consistent."""
         cg = self.provider.cgroup(self.id)
-        if not cg.exec_pids() and cg.layout.version:
-            # Only the idle init is there: nothing can change the files, and
-            # freezing (about 10 ms on cgroup v1) would buy nothing.
-            yield
+        if not cg.exec_pids():
+            yield  # only the idle holder: nothing can change the files
             return
         cg.freeze()
         try:

@@ -46,6 +46,7 @@ from pathlib import Path
 from harness.errors import SandboxError, SandboxFileError, SandboxNotFound, SandboxStartError
 from harness.sandbox import _jail
 from harness.sandbox._cgroup import Layout, SandboxCgroup
+from harness.sandbox._pool import POOL_TTL_S, WarmPool
 from harness.sandbox._store import LayerStore, SnapshotStore, check_name, copy_tree
 from harness.sandbox.base import (
     HOME,
@@ -99,6 +100,7 @@ class _Meta:
     init_start: int | None = None
     slirp_pid: int | None = None
     slirp_start: int | None = None
+    pooled: bool = False  # a warm, unclaimed jail (see _pool)
 
     @classmethod
     def load(cls, path: Path) -> _Meta:
@@ -123,7 +125,9 @@ class LocalProvider(Provider):
 
     name = "local"
 
-    def __init__(self, state_dir: str | Path | None = None):
+    def __init__(self, state_dir: str | Path | None = None, *, pool_size: int = 0):
+        """``pool_size`` > 0 keeps that many started jails ready per (type, network)
+        in a background thread, for processes that create many sandboxes."""
         from harness.sandbox import default_state_dir
 
         _jail.check_host()
@@ -139,6 +143,7 @@ class LocalProvider(Provider):
         # Several state dirs (tests, users) may share a machine: cgroup names carry
         # a prefix of this one's so gc never touches another's groups.
         self._cg_prefix = hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:8]
+        self._pool = WarmPool(self, pool_size) if pool_size > 0 else None
 
     # -- helpers ---------------------------------------------------------------
     def _mount_run(self) -> None:
@@ -327,12 +332,52 @@ class LocalProvider(Provider):
         spec = spec or SandboxSpec()
         if spec.name:
             check_name(spec.name, "sandbox")
-        if from_snapshot:
-            snap = self.snapshot_store.get(from_snapshot)
+        snap = self.snapshot_store.get(from_snapshot) if from_snapshot else None
+        if self._pool is not None:
+            warm = self._pool.take((spec.type, spec.network))
+            if warm is not None and (claimed := self._claim(warm, spec, snap)) is not None:
+                return claimed
+        if snap is not None:
             meta = self._new_meta(spec, snap.layers, from_snapshot=snap.name)
         else:
             meta = self._new_meta(spec, (LayerStore.EMPTY,))
         return self._start_new(meta)
+
+    def _start_pooled(self, type_: str, network: bool) -> str:
+        spec = SandboxSpec(type=type_, network=network, ttl_s=POOL_TTL_S)  # type: ignore[arg-type]
+        return self._start_new(self._new_meta(spec, (LayerStore.EMPTY,), pooled=True)).id
+
+    def _claim(self, sandbox_id: str, spec: SandboxSpec, snap: SnapshotInfo | None) -> LocalSandbox | None:
+        """Turn a warm jail into the sandbox asked for; None if it is no longer usable."""
+        try:
+            with self._locked(sandbox_id):
+                meta = self._load(sandbox_id)
+                if not meta.running() or meta.expired():
+                    raise SandboxNotFound(sandbox_id)
+                now = time.time()
+                claimed = replace(
+                    meta,
+                    name=spec.name,
+                    created_at=now,
+                    expires_at=now + spec.ttl_s if spec.ttl_s else None,
+                    env=dict(spec.env),
+                    pooled=False,
+                )
+                if snap is not None:
+                    claimed = replace(claimed, layers=snap.layers, from_snapshot=snap.name, generation=meta.generation + 1)
+                    upper, work = self._new_rw(claimed)
+                    lowers = [self.layer_path(x) for x in reversed(claimed.layers)]
+                    _jail.restack(meta.init_pid or 0, lowers, upper, work)
+                claimed.save(self._dir(sandbox_id) / "meta.json")
+            return LocalSandbox(self, sandbox_id)
+        except (SandboxError, OSError):
+            self._destroy(sandbox_id)
+            return None
+
+    def close(self) -> None:
+        """Delete this provider's warm jails (sandboxes it handed out keep running)."""
+        if self._pool is not None:
+            self._pool.close()
 
     def get(self, sandbox_id: str) -> LocalSandbox:
         self._live(sandbox_id)
@@ -350,7 +395,8 @@ class LocalProvider(Provider):
             if meta.expired():
                 self._destroy(meta.id)
                 continue
-            out.append(self._info(meta))
+            if not meta.pooled:
+                out.append(self._info(meta))
         return sorted(out, key=lambda i: i.created_at)
 
     def snapshots(self) -> list[SnapshotInfo]:

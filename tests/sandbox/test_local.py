@@ -154,3 +154,42 @@ def test_snapshot_of_a_fork_persists_its_in_memory_layers(local_provider):
             assert sb.exec("cat s c").text() == "from-source\nfrom-child\n"
     finally:
         local_provider.delete_snapshot(name)
+
+
+def test_warm_pool_hands_out_sandboxes_equal_to_cold_ones(state_dir, local_provider):
+    name = f"pool-{uuid.uuid4().hex[:6]}"
+    with local_provider.create(SandboxSpec(ttl_s=600)) as sb:
+        sb.exec("echo from-snapshot > f")
+        sb.snapshot(name)
+    pooled = open_provider("local", state_dir=state_dir, pool_size=2)
+    try:
+        import time
+
+        first = pooled.create(SandboxSpec(ttl_s=600), from_snapshot=name)  # cold: starts the pool
+        deadline = time.monotonic() + 20
+        while len(pooled._pool._ready.get(("small", False), ())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        warm_ids = set(pooled._pool._ready[("small", False)])
+        assert len(warm_ids) == 2
+        assert not warm_ids & {i.id for i in pooled.list()}, "warm jails must not be listed"
+        warm = pooled.create(SandboxSpec(name="claimed", ttl_s=300, env={"K": "v"}), from_snapshot=name)
+        assert warm.id in warm_ids
+        info = warm.info()
+        assert (info.name, info.from_snapshot, info.status) == ("claimed", name, "running")
+        assert info.expires_at == pytest.approx(info.created_at + 300, abs=2)
+        assert warm.exec("cat f; echo $K; pwd").text() == "from-snapshot\nv\n/home/user\n"
+        warm.write_file("g", b"x")
+        with warm.fork() as child:
+            assert child.exec("cat f g").text() == "from-snapshot\nx"
+        empty = pooled.create(SandboxSpec(ttl_s=600))
+        assert empty.exec("ls -A | grep -v '^.cache$' | wc -l").text().strip() == "0"
+        for sb in (first, warm, empty):
+            sb.delete()
+    finally:
+        pooled.close()
+        local_provider.delete_snapshot(name)
+    assert not any(
+        local_provider._load(p.name).pooled
+        for p in local_provider.sandboxes_dir.iterdir()
+        if p.name.startswith("sb_")
+    ), "close() left warm jails behind"

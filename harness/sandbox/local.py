@@ -30,12 +30,8 @@ import json
 import os
 import re
 import secrets
-import selectors
 import shlex
 import shutil
-import signal
-import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -43,15 +39,15 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from harness.errors import SandboxError, SandboxFileError, SandboxNotFound, SandboxStartError
+from harness.errors import SandboxError, SandboxFileError, SandboxNotFound, SandboxUnavailable
 from harness.sandbox import _jail
 from harness.sandbox._cgroup import Layout, SandboxCgroup
+from harness.sandbox._exec import run_in_jail
 from harness.sandbox._pool import POOL_TTL_S, WarmPool
 from harness.sandbox._store import LayerStore, SnapshotStore, check_name, copy_tree
 from harness.sandbox.base import (
     HOME,
     SANDBOX_TYPES,
-    TIMEOUT_EXIT_CODE,
     ExecResult,
     GcReport,
     OutputCallback,
@@ -71,9 +67,6 @@ _BASE_ENV = {
     "SHELL": "/bin/sh",
     "LANG": "C.UTF-8",
 }
-#: After a command exits, how long to keep reading output that its background
-#: children may still hold open before giving up on them.
-_DRAIN_GRACE_S = 0.05
 
 
 def _new_id() -> str:
@@ -140,6 +133,11 @@ class LocalProvider(Provider):
         self.run_dir = self.state_dir / "run"
         self._mount_run()
         self.cgroup_layout = Layout.detect()
+        if not self.cgroup_layout.version:
+            raise SandboxUnavailable(
+                "no usable cgroups (memory, pids and freezer controllers) were found, so sandbox limits "
+                "cannot be enforced: mount cgroup v2 at /sys/fs/cgroup"
+            )
         # Several state dirs (tests, users) may share a machine: cgroup names carry
         # a prefix of this one's so gc never touches another's groups.
         self._cg_prefix = hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:8]
@@ -482,40 +480,17 @@ class LocalSandbox(Sandbox):
         max_output_bytes: int = 16 << 20,
     ) -> ExecResult:
         meta = self.provider._live(self.id)
-        cg = self.provider.cgroup(self.id)
-        leaf = "x" + secrets.token_hex(6)
         full_env = {**_BASE_ENV, "HOSTNAME": self.id, **meta.env, **(env or {})}
-        started = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                _jail.enter_argv(meta.init_pid or 0, command, cwd, cg.leaf_procs(leaf)),
-                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=full_env,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise SandboxError(f"could not run a command in {self.id}: {exc}") from exc
-        try:
-            out, err, timed_out, truncated = _collect(proc, stdin, timeout, on_output, max_output_bytes, lambda: _kill_exec(cg, leaf, proc))
-        finally:
-            if proc.poll() is None:
-                _kill_exec(cg, leaf, proc)
-                proc.wait()
-            cg.remove_leaf(leaf)
-        code = proc.returncode
-        if timed_out:
-            code = TIMEOUT_EXIT_CODE
-        elif code < 0:
-            code = 128 - code
-        return ExecResult(
-            exit_code=code,
-            stdout=out,
-            stderr=err,
-            duration_s=time.monotonic() - started,
-            timed_out=timed_out,
-            truncated=truncated,
+        return run_in_jail(
+            meta.init_pid or 0,
+            self.provider.cgroup(self.id),
+            command,
+            env=full_env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout=timeout,
+            on_output=on_output,
+            max_output_bytes=max_output_bytes,
         )
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
@@ -630,75 +605,6 @@ class LocalSandbox(Sandbox):
         return self.provider.upper_dir(self.provider._load(self.id))
 
 
-def _kill_exec(cg: SandboxCgroup, leaf: str, proc: subprocess.Popen) -> None:
-    if cg.layout.version:
-        cg.kill(leaf)
-    else:  # no cgroups: the command's session is the best handle there is
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _first_line(result: ExecResult) -> str:
     text = result.text("stderr").strip() or result.text("stdout").strip() or f"exit code {result.exit_code}"
     return text.splitlines()[-1]
-
-
-def _collect(proc, stdin, timeout, on_output, cap, kill):
-    """Read both pipes until they close, the timeout fires, or the command has
-    exited and its background children still hold them after a short grace."""
-    if stdin is not None:
-
-        def feed() -> None:
-            try:
-                proc.stdin.write(stdin)
-            except (BrokenPipeError, OSError):
-                pass
-            finally:
-                try:
-                    proc.stdin.close()
-                except OSError:
-                    pass
-
-        threading.Thread(target=feed, daemon=True).start()
-    bufs = {"stdout": bytearray(), "stderr": bytearray()}
-    truncated = False
-    timed_out = False
-    deadline = time.monotonic() + timeout if timeout else None
-    exited_at: float | None = None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
-        sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
-        while sel.get_map():
-            now = time.monotonic()
-            if deadline is not None and now >= deadline and not timed_out:
-                timed_out = True
-                kill()
-                deadline = now + 5  # the pipes close once the tree is dead
-            elif timed_out and deadline is not None and now >= deadline:
-                break
-            if exited_at is None and proc.poll() is not None:
-                exited_at = now
-            if exited_at is not None and now - exited_at > _DRAIN_GRACE_S:
-                break
-            wait = 0.05 if exited_at is None else _DRAIN_GRACE_S
-            if deadline is not None:
-                wait = min(wait, max(0.0, deadline - now))
-            for key, _ in sel.select(wait):
-                chunk = os.read(key.fileobj.fileno(), 65536)
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                    continue
-                if on_output is not None:
-                    on_output(key.data, chunk)
-                buf = bufs[key.data]
-                room = cap - len(buf)
-                if room > 0:
-                    buf += chunk[:room]
-                if len(chunk) > room:
-                    truncated = True
-    proc.stdout.close()
-    proc.stderr.close()
-    proc.wait()
-    return bytes(bufs["stdout"]), bytes(bufs["stderr"]), timed_out, truncated

@@ -349,7 +349,7 @@ def _start_slirp(init_pid: int, exit_fd: int, timeout: float) -> int:
     try:
         proc = subprocess.Popen(
             [
-                "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
+                "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox", "--enable-seccomp",
                 f"--exit-fd={exit_fd}", f"--ready-fd={ready_w}", str(init_pid), "tap0",
             ],
             stdin=subprocess.DEVNULL,

@@ -182,6 +182,26 @@ def cmd_delete_snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_push(args: argparse.Namespace) -> int:
+    info = _local_provider().push_snapshot(args.snapshot_name, args.store)
+    _print_json({"ok": True, "pushed": args.snapshot_name, "snapshotId": info.snapshot_id, "layers": len(info.layers)})
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    info = _local_provider().pull_snapshot(args.snapshot_name, args.store)
+    _print_json({"ok": True, "type": "snapshot.named.info", "snapshot": info.to_json()})
+    return 0
+
+
+def _local_provider():
+    if os.environ.get("HARNESS_SANDBOX_URL"):
+        raise HarnessError("push and pull work on this host's snapshots: unset HARNESS_SANDBOX_URL")
+    from harness.sandbox import open_provider
+
+    return open_provider("local")
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     report = _provider().gc()
     _print_json({"ok": True, "deletedSandboxes": list(report.deleted_sandboxes), "removedLayers": len(report.removed_layers)})
@@ -270,6 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("snapshot_name", metavar="NAME")
     p.add_argument("--yes", "-y", action="store_true", help="do not ask")
     p.set_defaults(func=cmd_delete_snapshot)
+
+    for verb, func, text in (
+        ("push", cmd_push, "upload a snapshot to a snapshot store (a directory, s3://, gs://, hdfs://)"),
+        ("pull", cmd_pull, "download a snapshot from a snapshot store, verifying its content hashes"),
+    ):
+        p = verbs.add_parser(verb, help=text)
+        p.add_argument("snapshot_name", metavar="NAME")
+        p.add_argument("--store", help="the store URI (default $HARNESS_SNAPSHOT_STORE)")
+        p.set_defaults(func=func)
 
     p = verbs.add_parser("gc", help="delete expired sandboxes, leftovers of crashes, and unused layers")
     p.set_defaults(func=cmd_gc)

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from harness.errors import SandboxError, SandboxFileError, SandboxNotFound, SandboxUnavailable
+from harness.errors import SandboxError, SandboxFileError, SandboxNotFound, SandboxUnavailable, SnapshotNotFound
 from harness.sandbox import _jail
 from harness.sandbox._cgroup import Layout, SandboxCgroup
 from harness.sandbox._exec import run_in_jail
@@ -118,9 +118,17 @@ class LocalProvider(Provider):
 
     name = "local"
 
-    def __init__(self, state_dir: str | Path | None = None, *, pool_size: int = 0):
+    def __init__(
+        self,
+        state_dir: str | Path | None = None,
+        *,
+        pool_size: int = 0,
+        snapshot_store: str | None = None,
+    ):
         """``pool_size`` > 0 keeps that many started jails ready per (type, network)
-        in a background thread, for processes that create many sandboxes."""
+        in a background thread, for processes that create many sandboxes.
+        ``snapshot_store`` (default ``$HARNESS_SNAPSHOT_STORE``) is a store URI
+        that snapshots missing here are pulled from on first use."""
         from harness.sandbox import default_state_dir
 
         _jail.check_host()
@@ -142,6 +150,7 @@ class LocalProvider(Provider):
         # a prefix of this one's so gc never touches another's groups.
         self._cg_prefix = hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:8]
         self._pool = WarmPool(self, pool_size) if pool_size > 0 else None
+        self.snapshot_store_uri = snapshot_store or os.environ.get("HARNESS_SNAPSHOT_STORE") or None
 
     # -- helpers ---------------------------------------------------------------
     def _mount_run(self) -> None:
@@ -330,7 +339,7 @@ class LocalProvider(Provider):
         spec = spec or SandboxSpec()
         if spec.name:
             check_name(spec.name, "sandbox")
-        snap = self.snapshot_store.get(from_snapshot) if from_snapshot else None
+        snap = self.snapshot_info(from_snapshot) if from_snapshot else None
         if self._pool is not None:
             warm = self._pool.take((spec.type, spec.network))
             if warm is not None and (claimed := self._claim(warm, spec, snap)) is not None:
@@ -401,7 +410,28 @@ class LocalProvider(Provider):
         return self.snapshot_store.list()
 
     def snapshot_info(self, name: str) -> SnapshotInfo:
-        return self.snapshot_store.get(name)
+        try:
+            return self.snapshot_store.get(name)
+        except SnapshotNotFound:
+            if not self.snapshot_store_uri:
+                raise
+        return self.pull_snapshot(name)
+
+    def push_snapshot(self, name: str, store: str | None = None) -> SnapshotInfo:
+        """Upload a snapshot to a store (see ``harness.sandbox.archive``)."""
+        return self._archive(store).push(self, name)
+
+    def pull_snapshot(self, name: str, store: str | None = None) -> SnapshotInfo:
+        """Download a snapshot from a store, verifying every layer's content hash."""
+        return self._archive(store).pull(self, name)
+
+    def _archive(self, store: str | None):
+        from harness.sandbox.archive import SnapshotArchive
+
+        uri = store or self.snapshot_store_uri
+        if not uri:
+            raise SandboxError("no snapshot store given: pass --store URI or set HARNESS_SNAPSHOT_STORE")
+        return SnapshotArchive(uri)
 
     def delete_snapshot(self, name: str) -> None:
         self.snapshot_store.delete(name)

@@ -14,7 +14,10 @@ Measures and prints:
 then the ratios against the targets (2 actors >= 80% of the CPU-bound limit,
 >= 10x the sequential loop).
 
-Usage: .venv/bin/python scripts/bench_rollouts.py [--episodes 60] [--seq-episodes 6]
+Each harness figure is the best of --trials interleaved trials and the grader's the best
+of --grader-runs runs, because other load on a shared machine only ever slows a trial.
+
+Usage: .venv/bin/python scripts/bench_rollouts.py [--episodes 40] [--trials 3] [--seq-episodes 6]
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import argparse
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +56,7 @@ def machine_cpu_seconds() -> float:
 
 
 def host_grader(runs: int, work: Path) -> tuple[float, float]:
-    """CPU and wall seconds of one grade.py run on the host (pytest 8.3.3 in a venv)."""
+    """CPU and wall seconds of one grade.py run on the host (pytest 8.3.3 in a venv); best of ``runs``."""
     env_dir = work / "median"
     shutil.copytree(ROOT / "envs" / "median", env_dir)
     # grade.py writes the sandbox's /home/user/result.json; on the host, a temp path instead.
@@ -74,7 +76,7 @@ def host_grader(runs: int, work: Path) -> tuple[float, float]:
         walls.append(time.perf_counter() - t0)
         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpus.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
-    return statistics.median(cpus), statistics.median(walls)
+    return min(cpus), min(walls)
 
 
 def harness_run(overrides: list[str], run_id: str, out: Path) -> dict[str, float]:
@@ -145,7 +147,8 @@ def sequential_loop(snapshot: str, state_dir: str, n: int, work: Path) -> tuple[
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--episodes", type=int, default=60, help="episodes per harness measurement")
+    ap.add_argument("--episodes", type=int, default=40, help="episodes per harness measurement")
+    ap.add_argument("--trials", type=int, default=3, help="interleaved trials per measurement; the best counts")
     ap.add_argument("--seq-episodes", type=int, default=6, help="episodes of the sequential seed loop")
     ap.add_argument("--grader-runs", type=int, default=20, help="host grader runs")
     ap.add_argument("--state-dir", default=None, help="sandbox state dir (default: HARNESS_HOME or the data dir)")
@@ -172,16 +175,22 @@ def main() -> int:
 
         ray.init(num_cpus=cores, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         harness_run(common + ["actors=1", "episodes=4"], "warmup", work)  # warm Ray workers and caches
-        results = {}
-        for method in ("new_from", "fork"):
-            for actors in (1, 2):
-                r = harness_run(common + [f"actors={actors}", f"method={method}"], f"{method}-{actors}", work)
-                results[method, actors] = r
-                print(f"harness {method:8s} actors={actors}: {r['eps_s']:.2f} episodes/s "
-                      f"({r['wall_per_ep'] * 1000:.0f} ms/episode wall, {r['cpu_per_ep'] * 1000:.0f} ms machine CPU"
-                      f"/episode; p50 acquire {r['acquire_seconds'] * 1000:.0f} ms, grade "
-                      f"{r['grade_seconds'] * 1000:.0f} ms, release {r['release_seconds'] * 1000:.0f} ms; "
-                      f"mean reward {r['reward']:.2f})")
+        # Best of --trials interleaved trials: the machine may be shared, and other load only
+        # ever makes a trial slower (the grader's figure below is its best run too).
+        results: dict[tuple[str, int], dict[str, float]] = {}
+        for trial in range(args.trials):
+            for method in ("new_from", "fork"):
+                for actors in (1, 2):
+                    r = harness_run(common + [f"actors={actors}", f"method={method}"],
+                                    f"{method}-{actors}-{trial}", work)
+                    if (method, actors) not in results or r["eps_s"] > results[method, actors]["eps_s"]:
+                        results[method, actors] = r
+        for (method, actors), r in results.items():
+            print(f"harness {method:8s} actors={actors}: {r['eps_s']:.2f} episodes/s "
+                  f"({r['wall_per_ep'] * 1000:.0f} ms/episode wall, {r['cpu_per_ep'] * 1000:.0f} ms machine CPU"
+                  f"/episode; p50 acquire {r['acquire_seconds'] * 1000:.0f} ms, grade "
+                  f"{r['grade_seconds'] * 1000:.0f} ms, release {r['release_seconds'] * 1000:.0f} ms; "
+                  f"mean reward {r['reward']:.2f})")
         ray.shutdown()
         for method in ("new_from", "fork"):
             overhead = results[method, 1]["wall_per_ep"] - g_wall

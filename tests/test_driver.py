@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from harness_fixtures import (
     MEDIAN_CONFIG,
     ROOT,

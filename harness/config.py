@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import itertools
 import json
+import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,6 +242,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"unknown sweep key {key!r}; see `harness run --describe` for the keys")
         if not isinstance(values, (list, tuple)) and not OmegaConf.is_list(values) or len(values) == 0:
             raise ConfigError(f"sweep.{key} must be a non-empty list of values")
+    if cfg.output.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,40}", str(cfg.output.run_id)):
+        raise ConfigError(f"output.run_id {cfg.output.run_id!r} must be 1-41 letters, digits, '.', '_' or '-'")
     if cfg.episodes < 1 or cfg.actors < 1:
         raise ConfigError("episodes and actors must be at least 1")
 

@@ -178,8 +178,20 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
     options = _provider_options(cfg)
     env_data = OmegaConf.to_container(cfg.env, resolve=True)
     env_spec = EnvSpec.from_dict({**env_data, "type": cfg.sandbox.type})  # type: ignore[dict-item]
-    with open_provider(cfg.sandbox.backend, **options) as provider:
-        built = build_env(provider, env_spec, rebuild=bool(cfg.rebuild), log=lambda m: console.print(f"[dim]{escape(m)}"))
+    n_actors = min(int(cfg.actors), len(requests))
+    owns_ray = _init_ray(cfg)
+    try:
+        cpus = ray.cluster_resources().get("CPU", 0.0)
+        if n_actors * cfg.ray.actor_cpus > cpus:
+            raise ConfigError(f"actors={n_actors} x ray.actor_cpus={cfg.ray.actor_cpus} need more CPUs than Ray "
+                              f"has ({cpus:g}); lower actors or ray.actor_cpus")
+        with open_provider(cfg.sandbox.backend, **options) as provider:
+            built = build_env(provider, env_spec, rebuild=bool(cfg.rebuild),
+                              log=lambda m: console.print(f"[dim]{escape(m)}"))
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
 
     base = OmegaConf.to_container(cfg, resolve=False)
     manifest: dict[str, Any] = {
@@ -192,12 +204,6 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
     write_manifest(run_dir, manifest)
     writer = DatasetWriter(run_dir, batch_rows=cfg.output.batch_rows, flush_seconds=cfg.output.flush_seconds)
 
-    owns_ray = _init_ray(cfg)
-    n_actors = min(int(cfg.actors), len(requests))
-    cpus = ray.cluster_resources().get("CPU", 0.0)
-    if n_actors * cfg.ray.actor_cpus > cpus:
-        raise ConfigError(f"actors={n_actors} x ray.actor_cpus={cfg.ray.actor_cpus} need more CPUs than Ray has "
-                          f"({cpus:g}); lower actors or ray.actor_cpus")
     # max_concurrency=2 lets close() run while an episode is in flight (Ctrl-C cleanup).
     Worker = ray.remote(num_cpus=cfg.ray.actor_cpus, max_concurrency=2)(EpisodeWorker)
     grade = dict(env_data["grade"])  # type: ignore[index]

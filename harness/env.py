@@ -27,6 +27,7 @@ from harness.errors import (
     EnvironmentBuildError,
     GradeError,
     SandboxFileError,
+    SnapshotExists,
     SnapshotNotFound,
 )
 from harness.sandbox.base import HOME, Provider, Sandbox, SandboxSpec
@@ -233,7 +234,12 @@ def build_env(provider: Provider, spec: EnvSpec, *, rebuild: bool = False, log: 
                 provider.delete_snapshot(name)
             except SnapshotNotFound:
                 pass
-        sb.snapshot(name)
+        try:
+            sb.snapshot(name)
+        except SnapshotExists:
+            # Another run built the same content meanwhile: theirs is as good as ours.
+            if log:
+                log(f"env {spec.name}: snapshot {name} was built concurrently; using it")
     if log:
         log(f"env {spec.name}: baseline reward {baseline.get('reward')} ({seconds:.1f}s)")
     return BuiltEnv(spec, name, digest, baseline, seconds, cached=False)

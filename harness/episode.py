@@ -8,6 +8,7 @@ run and every episode yields exactly one dataset row. The sandbox is deleted in
 
 from __future__ import annotations
 
+import shlex
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -174,7 +175,9 @@ def run_episode(
 
         phase, t0 = "grade", time.monotonic()
         try:
-            g = sandbox.exec(grade.command, cwd=ENV_DIR, timeout=grade.timeout)
+            # Remove any result the policy may have written, so that only the grader's counts.
+            g = sandbox.exec(f"rm -f {shlex.quote(grade.result)}; {grade.command}", cwd=ENV_DIR,
+                             timeout=grade.timeout)
             try:
                 grade_data = read_grade(sandbox, grade)
             except GradeError as exc:

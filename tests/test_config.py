@@ -133,3 +133,9 @@ def test_sweep_on_the_command_line_replaces_the_files_sweep() -> None:
     cfg = C.load_config(MEDIAN_CONFIG, ["sweep={policy.id: [1]}"])
     assert C.points(cfg) == [{"policy.id": 1}]
     assert C.points(C.load_config(MEDIAN_CONFIG, ["sweep={}"])) == [{}]
+
+
+def test_run_id_must_be_a_safe_name(cfg_file: Path) -> None:
+    with pytest.raises(ConfigError, match="output.run_id"):
+        C.load_config(cfg_file, ["output.run_id='my run'"])
+    assert C.load_config(cfg_file, ["output.run_id=exp-1.a_b"]).output.run_id == "exp-1.a_b"

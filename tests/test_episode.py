@@ -135,3 +135,11 @@ def test_median_episodes_in_real_sandboxes(method: str) -> None:
     assert rewards == {0: 0.75, 1: 1.0, 2: 1.0}
     assert before.reward == 0.5
     assert leftovers == []
+
+
+def test_a_result_written_by_the_policy_does_not_count(tiny) -> None:
+    provider, built = tiny
+    forged = "echo '{\"reward\": 1.0}' > ~/result.json; echo 'exit 3' > grade.sh"
+    r = EpisodeWorker(built.snapshot, built.spec.grade, provider=provider).run(
+        request({"kind": "command", "command": forged}))
+    assert r.error_type == "GradeError" and r.reward is None

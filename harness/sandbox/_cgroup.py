@@ -218,12 +218,19 @@ class SandboxCgroup:
         else:
             _write(d / "freezer.state", "THAWED")
 
-    def kill(self, leaf: str | None = None) -> int:
-        """SIGKILL every process in the sandbox (or one leaf); returns how many."""
+    def kill(self, leaf: str | None = None, *, spare: int | None = None) -> int:
+        """SIGKILL every process in the sandbox (or one leaf); returns how many.
+
+        ``spare`` is an exec's nsenter (host side): while it has company in the
+        group, its child in the jail is alive or unreaped, so it is left to reap
+        that child and exit. Killed with it, it would orphan the child to the
+        host's init, and the jail's PID namespace (so its delete) would wait,
+        seconds here and forever on a host whose init does not reap, for that
+        zombie to be reaped."""
         d = self._freezer_dir(leaf)
         if d is None or not d.exists():
             return 0
-        if self.layout.version == 2 and (d / "cgroup.kill").exists():
+        if spare is None and self.layout.version == 2 and (d / "cgroup.kill").exists():
             pids = _pids_in(d)
             _write(d / "cgroup.kill", "1")
             return len(pids)
@@ -231,7 +238,10 @@ class SandboxCgroup:
         self.freeze(leaf)
         killed = 0
         try:
-            for pid in _pids_in(d):
+            pids = _pids_in(d)
+            if spare in pids and len(pids) > 1:
+                pids.remove(spare)
+            for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
                     killed += 1

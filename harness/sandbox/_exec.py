@@ -50,10 +50,10 @@ def run_in_jail(
     except OSError as exc:
         raise SandboxError(f"could not run a command in the jail of pid {init_pid}: {exc}") from exc
     try:
-        out, err, timed_out, truncated = _collect(proc, stdin, timeout, on_output, max_output_bytes, lambda: cg.kill(leaf))
+        out, err, timed_out, truncated = _collect(proc, stdin, timeout, on_output, max_output_bytes, lambda: cg.kill(leaf, spare=proc.pid))
     finally:
         if proc.poll() is None:  # interrupted (e.g. Ctrl-C): the command dies with us
-            cg.kill(leaf)
+            cg.kill(leaf, spare=proc.pid)
             proc.wait()
         cg.remove_leaf(leaf)
     code = proc.returncode

@@ -381,6 +381,13 @@ def test_setsid_daemon_dies_with_its_command_timeout(sandbox):
     time.sleep(0.4)  # four of its beats
     assert mtime() == first, "the daemon still touches its file after the timeout"
     assert not any("beat" in line for line in visible_cmdlines(sandbox))
+    # Nothing of the command lingers as a zombie either: one orphaned to the
+    # host's init would hold the jail's PID namespace, and so its delete.
+    def zombies() -> list[str]:
+        stats = run(sandbox, "cat /proc/[0-9]*/stat 2>/dev/null").text().splitlines()
+        return [line for line in stats if line.rsplit(")", 1)[1].split()[0] == "Z"]
+
+    assert wait_until(lambda: not zombies(), timeout=0.5), zombies()
 
 
 def test_delete_leaves_nothing_behind(local_provider):

@@ -59,6 +59,7 @@ EPISODE_SCHEMA = pa.schema([
     pa.field("started_at", pa.timestamp("us", tz="UTC"), False),
     pa.field("finished_at", pa.timestamp("us", tz="UTC"), False),
     pa.field("config_hash", pa.string()),
+    pa.field("sandbox_info", pa.string()),  # JSON of the sandbox's info just before release
 ])
 
 STEP_SCHEMA = pa.schema([
@@ -97,6 +98,7 @@ def episode_row(r: EpisodeResult, policy_label: str = "") -> dict[str, Any]:
         "error_phase": r.error_phase, "actor": r.actor, "host": r.host,
         "started_at": int(r.started_at * 1e6), "finished_at": int(r.finished_at * 1e6),
         "config_hash": q.config_hash,
+        "sandbox_info": _json(dict(r.sandbox_info)) if r.sandbox_info is not None else None,
     }
 
 

@@ -90,6 +90,8 @@ class EpisodeResult:
     error_phase: str | None = None
     actor: str = ""
     host: str = ""
+    #: The sandbox as `harness sandbox info` shows it, taken just before release.
+    sandbox_info: Mapping[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -119,7 +121,7 @@ def run_episode(
     timings = {"acquire": 0.0, "check": 0.0, "act": 0.0, "grade": 0.0, "release": 0.0}
     steps: list[StepRecord] = []
     sandbox: Sandbox | None = None
-    sandbox_id = reward = grade_data = clean = None
+    sandbox_id = reward = grade_data = clean = info = None
     terminated = truncated = False
     error: tuple[str, str, str] | None = None
     phase = "acquire"
@@ -193,6 +195,10 @@ def run_episode(
         error = (type(exc).__name__, _one_line(exc), phase)
     finally:
         if sandbox is not None:
+            try:
+                info = sandbox.info().to_json()
+            except Exception:  # informational only; the release below matters
+                pass
             t0 = time.monotonic()
             try:
                 sandbox.delete()
@@ -209,7 +215,7 @@ def run_episode(
         grade_seconds=timings["grade"], release_seconds=timings["release"],
         total_seconds=time.monotonic() - t_start, started_at=started, finished_at=time.time(),
         error_type=error[0] if error else None, error=error[1] if error else None,
-        error_phase=error[2] if error else None, actor=actor, host=socket.gethostname(),
+        error_phase=error[2] if error else None, actor=actor, host=socket.gethostname(), sandbox_info=info,
     )
 
 

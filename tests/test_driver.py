@@ -90,6 +90,12 @@ def test_median_sweep_datasets_and_no_leaks(tmp_path: Path, ray_local) -> None: 
         by_point[row["point"]].append(row["reward"])
         assert json.loads(row["grade"])["reward"] == row["reward"] and row["clean_start"]
         assert row["start_seconds"] > 0 and row["total_seconds"] >= row["grade_seconds"]
+        info = json.loads(row["sandbox_info"])
+        assert info["id"] == row["sandbox_id"] and info["memoryRestored"] is False
+        if row["method"] == "new_from":
+            assert info["fromSnapshot"] == summary.snapshot
+        else:
+            assert info["resumedFrom"]  # the actor's warm source
     assert by_point[json.dumps({"method": "fork", "policy.id": 0})] == [0.75] * 3
 
     steps = ray_local.data.read_parquet(str(run_dir / "steps")).to_pandas()

@@ -181,7 +181,9 @@ def connect_probe(host: str, port: int) -> str:
 
 def test_host_files_outside_the_jail_cannot_be_read(sandbox, tmp_path, state_dir):
     token = secrets.token_hex(8)
-    markers = [tmp_path / f"marker-{token}", Path("/root") / f".harness-marker-{token}"]
+    markers = [tmp_path / f"marker-{token}"]
+    if Path("/root").is_dir():
+        markers.append(Path("/root") / f".harness-marker-{token}")
     for marker in markers:
         marker.write_text(f"secret {token}\n")
     try:

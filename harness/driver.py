@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import secrets
 import statistics
 import sys
@@ -162,6 +163,53 @@ def _provider_options(cfg: DictConfig) -> dict[str, Any]:
     return options
 
 
+def reap_sandboxes(backend: str, options: dict[str, Any], run_id: str, only: set[str] | None = None) -> list[str]:
+    """Delete this run's sandboxes still alive (episodes and fork sources, found by name):
+    the guard against leaks when an actor died or was killed before its own cleanup."""
+    pattern = re.compile(rf"^{re.escape(run_id)}-(ep\d+|a\d+-source)$")
+    deleted = []
+    with open_provider(backend, **options) as provider:
+        for info in provider.list():
+            if info.name and pattern.match(info.name) and (only is None or info.name in only):
+                try:
+                    provider.get(info.id).delete()
+                    deleted.append(info.name)
+                except HarnessError:
+                    pass  # already gone
+    return deleted
+
+
+def _dispatch(actors: list[Any], new_actor: Callable[[int], Any], requests: list[EpisodeRequest],
+              finished: Callable[[EpisodeResult], None], reap: Callable[[set[str]], Any]) -> None:
+    """Hand episodes out one at a time as actors free up (not in lockstep); an actor that
+    dies yields an error row for its episode and is replaced."""
+    import ray
+
+    queue = list(reversed(requests))
+    inflight: dict[Any, tuple[int, EpisodeRequest]] = {}
+
+    def submit(slot: int) -> None:
+        if queue:
+            req = queue.pop()
+            inflight[actors[slot].run.remote(req)] = (slot, req)
+
+    for slot in range(len(actors)):
+        submit(slot)
+    while inflight:
+        ready, _ = ray.wait(list(inflight), num_returns=1)
+        slot, req = inflight.pop(ready[0])
+        try:
+            result = ray.get(ready[0])
+        except ray.exceptions.RayError as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            result = failed_result(req, type(exc).__name__, message, "actor", actor=f"{req.run_id}-a{slot}")
+            ray.kill(actors[slot], no_restart=True)
+            reap({f"{req.run_id}-ep{req.episode_id}", f"{req.run_id}-a{slot}-source"})
+            actors[slot] = new_actor(slot)
+        finished(result)
+        submit(slot)
+
+
 def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool = True,
         on_result: Callable[[EpisodeResult], None] | None = None) -> RunSummary:
     """Build once, run every episode of every sweep point on one actor pool, write datasets."""
@@ -213,9 +261,7 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
                              name=f"{run_id}-a{i}")
 
     actors = [new_actor(i) for i in range(n_actors)]
-    interrupted = False
-    done = failures = 0
-    rewards: list[float] = []
+    status, counts = "failed", {"done": 0, "failures": 0}
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("failures {task.fields[failures]}  mean reward {task.fields[mean]}"),
                         TimeElapsedColumn(), console=console, disable=not show_progress)
@@ -227,39 +273,25 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
                                "lower actors or ray.actor_cpus, or add nodes") from exc
         with progress:
             task = progress.add_task(f"run {run_id}", total=len(requests), failures=0, mean="-")
-            queue = list(reversed(requests))
-            inflight: dict[Any, tuple[int, EpisodeRequest]] = {}
+            rewards: list[float] = []
 
-            def submit(slot: int) -> None:
-                if queue:
-                    req = queue.pop()
-                    inflight[actors[slot].run.remote(req)] = (slot, req)
-
-            for slot in range(n_actors):
-                submit(slot)
-            while inflight:
-                ready, _ = ray.wait(list(inflight), num_returns=1)
-                slot, req = inflight.pop(ready[0])
-                try:
-                    result = ray.get(ready[0])
-                except ray.exceptions.RayError as exc:  # the actor died: record, replace it, go on
-                    result = failed_result(req, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
-                                           "actor", actor=f"{run_id}-a{slot}")
-                    ray.kill(actors[slot], no_restart=True)
-                    actors[slot] = new_actor(slot)
-                writer.add(result, stats[req.point_id].policy)
-                stats[req.point_id].add(result)
-                if on_result:
-                    on_result(result)
-                done += 1
-                failures += result.error_type is not None
+            def finished(result: EpisodeResult) -> None:
+                writer.add(result, stats[result.request.point_id].policy)
+                stats[result.request.point_id].add(result)
+                counts["done"] += 1
+                counts["failures"] += result.error_type is not None
                 if result.reward is not None:
                     rewards.append(result.reward)
-                progress.update(task, advance=1, failures=failures,
+                progress.update(task, advance=1, failures=counts["failures"],
                                 mean=f"{statistics.fmean(rewards):.3f}" if rewards else "-")
-                submit(slot)
+                if on_result:
+                    on_result(result)
+
+            _dispatch(actors, new_actor, requests, finished,
+                      lambda names: reap_sandboxes(cfg.sandbox.backend, options, run_id, names))
+        status = "finished"
     except KeyboardInterrupt:
-        interrupted = True
+        status = "interrupted"
         console.print("[yellow]interrupted: deleting sandboxes and writing what finished")
     finally:
         closing = [a.close.remote() for a in actors]
@@ -268,15 +300,25 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
         finally:
             for a in actors:
                 ray.kill(a, no_restart=True)
+            try:
+                leaked = reap_sandboxes(cfg.sandbox.backend, options, run_id)
+                if leaked:
+                    console.print(f"[yellow]deleted {len(leaked)} sandboxes left by actors: {', '.join(leaked)}")
+            except HarnessError as exc:
+                console.print(f"[yellow]could not check for leftover sandboxes: {escape(str(exc))}")
             writer.close()
-            manifest.update(status="interrupted" if interrupted else "finished", episodes_done=done,
-                            episodes_failed=failures, seconds=round(time.monotonic() - t_run, 3),
-                            finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            manifest.update(
+                status=status, episodes_done=counts["done"], episodes_failed=counts["failures"],
+                seconds=round(time.monotonic() - t_run, 3),
+                finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                results=[{"point": p.point, "method": p.method, "episodes": p.episodes, "errors": p.errors,
+                          "mean_reward": p.mean_reward} for p in stats],
+            )
             write_manifest(run_dir, manifest)
             if owns_ray:
                 ray.shutdown()
     return RunSummary(run_id, run_dir, built.snapshot, dict(built.baseline), stats,
-                      time.monotonic() - t_run, interrupted)
+                      time.monotonic() - t_run, status == "interrupted")
 
 
 def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -166,3 +166,25 @@ def test_ctrl_c_deletes_sandboxes_and_keeps_finished_rows(tmp_path: Path) -> Non
     with local_provider() as provider:
         leaked = [i.name for i in provider.list() if (i.name or "").startswith("intr")]
     assert leaked == []
+
+
+def test_a_dying_actor_is_one_error_row_and_is_replaced(tmp_path: Path, ray_local) -> None:  # noqa: F811
+    (tmp_path / "killer.py").write_text(
+        "import os\n"
+        "def act(obs):\n"
+        "    if obs.prompt == 'die':\n"
+        "        os._exit(3)  # the whole actor process goes, mid-episode, sandbox acquired\n"
+        "    return 'cp policies/1.py task/stats.py' if obs.t == 0 else None\n")
+    cfg = load_config(MEDIAN_CONFIG, median_overrides(
+        tmp_path, episodes=2, sweep="{policy.prompt: [live, die, live], method: [fork]}", **{
+            "policy.kind": "python", "policy.entrypoint": "killer:act", "policy.python_path": f"[{tmp_path}]",
+            "output.run_id": "die"}))
+    summary = run(cfg, show_progress=False)
+    assert [(p.episodes, p.errors, p.mean_reward) for p in summary.points] == [(2, 0, 1.0), (2, 2, None),
+                                                                                (2, 0, 1.0)]
+    rows = load_episodes(tmp_path / "results" / "die").to_pylist()
+    dead = [r for r in rows if r["error_type"]]
+    assert len(rows) == 6 and {r["error_phase"] for r in dead} == {"actor"}
+    assert all("Actor" in r["error_type"] for r in dead)
+    with local_provider() as provider:
+        assert [i.name for i in provider.list() if (i.name or "").startswith("die-")] == []

@@ -59,8 +59,10 @@ def test_describe_lists_every_key() -> None:
 def test_main_command_prints_the_expected_table(tmp_path: Path) -> None:
     """`harness run configs/median.yaml` as a user runs it (its own local Ray), one episode per point."""
     median_env()  # built once per test process; the run finds it by content hash
-    p = cli(str(MEDIAN_CONFIG), *median_overrides(tmp_path, episodes=1, **{"ray.num_cpus": 2}), "--no-progress")
+    p = cli(str(MEDIAN_CONFIG), *median_overrides(tmp_path, episodes=1, **{"ray.num_cpus": 2}))
     assert p.returncode == 0, p.stderr
+    # the progress bar's last state: done/total, failures, running mean reward
+    assert "6/6" in p.stderr and "failures 0" in p.stderr and "mean reward 0.917" in p.stderr
     rows = [line for line in p.stdout.splitlines() if "new_from" in line or "fork" in line]
     got = {tuple(line.replace("│", " ").split()[:4]) for line in rows}
     assert got == {(pid, m, "1", r) for pid, r in (("0", "0.750"), ("1", "1.000"), ("2", "1.000"))

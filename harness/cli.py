@@ -208,6 +208,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from harness.sandbox.server import read_token, serve
+
+    token = read_token(args.token_file, os.environ.get("HARNESS_SERVER_TOKEN"))
+    # A client that hangs up mid-stream must not kill the server (main() sets SIG_DFL).
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    serve(args.host, args.port, token=token, insecure=args.insecure)
+    return 0
+
+
 def _human(n: int) -> str:
     size = float(n)
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -302,6 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("gc", help="delete expired sandboxes, leftovers of crashes, and unused layers")
     p.set_defaults(func=cmd_gc)
+
+    p = top.add_parser("serve", help="serve this machine's sandboxes over HTTP to `harness sandbox` and the http backend")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
+    p.add_argument("--token-file", help="file holding the bearer token clients must send (default $HARNESS_SERVER_TOKEN)")
+    p.add_argument("--insecure", action="store_true", help="run without a token; only on a loopback address")
+    p.set_defaults(func=cmd_serve)
 
     try:
         from harness.driver import add_run_parser

@@ -141,6 +141,8 @@ class RunConfig:
     """Config keys mapped to lists of values; the run covers their cartesian product."""
     rebuild: bool = False
     """Build the environment even if a snapshot with the same content hash exists."""
+    retries: int = 0
+    """Times an episode is run again after an infrastructure failure (sandbox start, actor death); policy and grade failures are never retried."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Where sandboxes come from."""
     ray: RayConfig = field(default_factory=RayConfig)
@@ -244,6 +246,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"sweep.{key} must be a non-empty list of values")
     if cfg.output.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,40}", str(cfg.output.run_id)):
         raise ConfigError(f"output.run_id {cfg.output.run_id!r} must be 1-41 letters, digits, '.', '_' or '-'")
+    if cfg.retries < 0:
+        raise ConfigError("retries must be 0 or more")
     if cfg.episodes < 1 or cfg.actors < 1:
         raise ConfigError("episodes and actors must be at least 1")
 

@@ -60,6 +60,7 @@ EPISODE_SCHEMA = pa.schema([
     pa.field("finished_at", pa.timestamp("us", tz="UTC"), False),
     pa.field("config_hash", pa.string()),
     pa.field("sandbox_info", pa.string()),  # JSON of the sandbox's info just before release
+    pa.field("attempt", pa.int64(), False),  # 0, or how many infrastructure failures were retried
 ])
 
 STEP_SCHEMA = pa.schema([
@@ -99,6 +100,7 @@ def episode_row(r: EpisodeResult, policy_label: str = "") -> dict[str, Any]:
         "started_at": int(r.started_at * 1e6), "finished_at": int(r.finished_at * 1e6),
         "config_hash": q.config_hash,
         "sandbox_info": _json(dict(r.sandbox_info)) if r.sandbox_info is not None else None,
+        "attempt": q.attempt,
     }
 
 

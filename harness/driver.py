@@ -8,6 +8,7 @@ each finished episode is appended to the Parquet datasets at once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 import secrets
@@ -29,7 +30,7 @@ from harness import config as C
 from harness.actors import EpisodeWorker
 from harness.dataset import DatasetWriter, write_manifest
 from harness.env import EnvSpec, build_env
-from harness.episode import EpisodeRequest, EpisodeResult, failed_result
+from harness.episode import INFRA_PHASES, EpisodeRequest, EpisodeResult, failed_result
 from harness.errors import ConfigError, HarnessError
 from harness.policy import describe as describe_policy
 from harness.policy import make_policy
@@ -180,9 +181,10 @@ def reap_sandboxes(backend: str, options: dict[str, Any], run_id: str, only: set
 
 
 def _dispatch(actors: list[Any], new_actor: Callable[[int], Any], requests: list[EpisodeRequest],
-              finished: Callable[[EpisodeResult], None], reap: Callable[[set[str]], Any]) -> None:
+              finished: Callable[[EpisodeResult], None], reap: Callable[[set[str]], Any], retries: int = 0) -> None:
     """Hand episodes out one at a time as actors free up (not in lockstep); an actor that
-    dies yields an error row for its episode and is replaced."""
+    dies yields an error row for its episode and is replaced. An infrastructure failure
+    is retried up to ``retries`` times; only the last attempt becomes a row."""
     import ray
 
     queue = list(reversed(requests))
@@ -206,7 +208,10 @@ def _dispatch(actors: list[Any], new_actor: Callable[[int], Any], requests: list
             ray.kill(actors[slot], no_restart=True)
             reap({f"{req.run_id}-ep{req.episode_id}", f"{req.run_id}-a{slot}-source"})
             actors[slot] = new_actor(slot)
-        finished(result)
+        if result.error_phase in INFRA_PHASES and req.attempt < retries:
+            queue.append(dataclasses.replace(req, attempt=req.attempt + 1))  # next out of the queue
+        else:
+            finished(result)
         submit(slot)
 
 
@@ -288,7 +293,7 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
                     on_result(result)
 
             _dispatch(actors, new_actor, requests, finished,
-                      lambda names: reap_sandboxes(cfg.sandbox.backend, options, run_id, names))
+                      lambda names: reap_sandboxes(cfg.sandbox.backend, options, run_id, names), int(cfg.retries))
         status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"

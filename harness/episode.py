@@ -21,6 +21,8 @@ from harness.policy import Observation, is_done, make_policy
 from harness.sandbox.base import Sandbox, SandboxSpec
 
 METHODS = ("new_from", "fork")
+#: Phases whose failures are the infrastructure's, not the policy's or the grader's: retryable.
+INFRA_PHASES = ("acquire", "actor")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class EpisodeRequest:
     ttl_s: float | None = 900.0
     network: bool = False
     config_hash: str = ""
+    #: 0 for the first try; >0 when the driver retries after an infrastructure failure.
+    attempt: int = 0
 
     @property
     def eps_id(self) -> str:

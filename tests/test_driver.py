@@ -190,3 +190,28 @@ def test_a_dying_actor_is_one_error_row_and_is_replaced(tmp_path: Path, ray_loca
     assert all("Actor" in r["error_type"] for r in dead)
     with local_provider() as provider:
         assert [i.name for i in provider.list() if (i.name or "").startswith("die-")] == []
+
+
+def test_infrastructure_failures_are_retried(tmp_path: Path, ray_local) -> None:  # noqa: F811
+    """An actor that dies once is replaced and its episode retried; the row shows attempt 1."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "flaky.py").write_text(
+        "import os, pathlib\n"
+        f"MARKS = pathlib.Path({str(marks)!r})\n"
+        "class Flaky:\n"
+        "    def act(self, obs):\n"
+        "        if obs.t == 0:\n"
+        "            if not any(MARKS.iterdir()):  # the very first episode kills its actor, once\n"
+        "                (MARKS / 'died').touch()\n"
+        "                os._exit(3)\n"
+        "            return 'cp policies/1.py task/stats.py'\n"
+        "        return None\n")
+    cfg = load_config(MEDIAN_CONFIG, median_overrides(
+        tmp_path, episodes=3, sweep="{}", retries=1, actors=1, **{
+            "policy.kind": "python", "policy.entrypoint": "flaky:Flaky", "policy.python_path": f"[{tmp_path}]",
+            "output.run_id": "retry"}))
+    summary = run(cfg, show_progress=False)
+    assert summary.errors == 0
+    rows = load_episodes(tmp_path / "results" / "retry").to_pylist()
+    assert sorted(r["attempt"] for r in rows) == [0, 0, 1] and all(r["reward"] == 1.0 for r in rows)

@@ -17,6 +17,7 @@ what makes a fork O(1) whatever the size of the sandbox's changes.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import os
 import shutil
@@ -41,7 +42,7 @@ _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 # Tools the jail needs, with the Debian package that ships each.
 REQUIRED_TOOLS = {"bwrap": "bubblewrap", "nsenter": "util-linux", "unshare": "util-linux"}
-NETWORK_TOOLS = {"slirp4netns": "slirp4netns"}
+NETWORK_TOOLS = {"slirp4netns": "slirp4netns", "ip": "iproute2"}
 
 
 def check_host(network: bool = False) -> None:
@@ -308,6 +309,7 @@ def _await_ready(
             assert exit_r is not None
             slirp_pid = _start_slirp(init_pid, exit_r, timeout)
             slirp_start = process_start_time(slirp_pid)
+            _block_local_networks(init_pid)
         return Jail(
             init_pid=init_pid,
             init_start=init_start,
@@ -342,6 +344,47 @@ def _read_json(fd: int, timeout: float) -> dict | None:
             return json.loads(buf)
         except ValueError:
             continue
+
+
+#: Destinations a networked sandbox must not reach even though slirp4netns would
+#: carry them: private ranges (a cluster's other nodes and services), CGNAT and
+#: link-local (cloud metadata endpoints). The host's own addresses and subnets
+#: are added at start. slirp's own 10.0.2.0/24 stays reachable: its route is
+#: more specific.
+BLOCKED_PREFIXES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16")
+
+
+def _host_prefixes() -> list[str]:
+    """The host's IPv4 addresses and the subnets they are on."""
+    proc = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True)
+    out: list[str] = []
+    try:
+        for link in json.loads(proc.stdout or "[]"):
+            for addr in link.get("addr_info", []):
+                local, plen = addr.get("local"), addr.get("prefixlen")
+                if local and not local.startswith("127."):
+                    out.append(f"{local}/32")
+                    if plen:
+                        out.append(str(ipaddress.ip_network(f"{local}/{plen}", strict=False)))
+    except (ValueError, TypeError):
+        pass
+    return out
+
+
+def _block_local_networks(init_pid: int) -> None:
+    """Unreachable routes in the sandbox's own network namespace: services on the
+    host's non-loopback addresses (Ray's GCS listens on all of them) and on the
+    local network stay out of reach. The sandbox user cannot change its routes."""
+    prefixes = dict.fromkeys([*_host_prefixes(), *BLOCKED_PREFIXES])
+    script = "".join(f"route add unreachable {p}\n" for p in prefixes)
+    proc = subprocess.run(
+        ["nsenter", "-t", str(init_pid), "-n", "--", "ip", "-batch", "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise SandboxStartError(f"could not fence the sandbox network off the host's: {proc.stderr.strip()}")
 
 
 def _start_slirp(init_pid: int, exit_fd: int, timeout: float) -> int:

@@ -118,8 +118,7 @@ def main() -> int:
     finally:
         provider.gc()
         if not args.state_dir:
-            for info in provider.list():
-                provider.get(info.id).delete()
+            provider.shutdown()
             shutil.rmtree(state, ignore_errors=True)
 
     rows = [

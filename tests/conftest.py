@@ -31,9 +31,7 @@ def state_dir():
         os.environ.pop("HARNESS_HOME", None)
     else:
         os.environ["HARNESS_HOME"] = old
-    provider = open_provider("local", state_dir=path)
-    for info in provider.list():
-        provider.get(info.id).delete()
+    open_provider("local", state_dir=path).shutdown()
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -120,6 +120,10 @@ def _detach(target: Path) -> None:
     _libc.umount2(str(target).encode(), _MNT_DETACH)
 
 
+def unmount(target: Path) -> None:
+    _detach(target)
+
+
 def detach_leftovers(sandbox_dir: Path) -> None:
     """Detach a host mount that a start interrupted by a crash may have left."""
     _detach(sandbox_dir / "merged")

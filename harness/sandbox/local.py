@@ -386,6 +386,16 @@ class LocalProvider(Provider):
         if self._pool is not None:
             self._pool.close()
 
+    def shutdown(self) -> None:
+        """Delete every sandbox of this state dir and unmount its in-memory
+        filesystem, so that the directory can be removed (tests, uninstall)."""
+        self.close()
+        for d in list(self.sandboxes_dir.iterdir()):
+            if _ID_RE.match(d.name) or d.name.startswith(".trash-"):
+                self._destroy(d.name.removeprefix(".trash-"))
+        self._gc_cgroups()
+        _jail.unmount(self.run_dir)
+
     def get(self, sandbox_id: str) -> LocalSandbox:
         self._live(sandbox_id)
         return LocalSandbox(self, sandbox_id)

@@ -19,9 +19,7 @@ def other_host(tmp_path):
     """A second state directory: another host or Ray node, as far as snapshots go."""
     provider = open_provider("local", state_dir=tmp_path / "other")
     yield provider
-    for info in provider.list():
-        provider.get(info.id).delete()
-    provider.close()
+    provider.shutdown()
 
 
 @pytest.fixture
@@ -55,9 +53,12 @@ def test_push_then_pull_on_another_host(other_host, pushed):
 def test_a_host_pulls_a_missing_snapshot_on_first_use(tmp_path, pushed):
     name, store, _ = pushed
     host = open_provider("local", state_dir=tmp_path / "auto", snapshot_store=store)
-    with host.create(SandboxSpec(ttl_s=600), from_snapshot=name) as sb:
-        assert sb.exec("cat d/g").text() == "top\n"
-    assert host.snapshot_info(name).layers == SnapshotArchive(store).record(name).layers
+    try:
+        with host.create(SandboxSpec(ttl_s=600), from_snapshot=name) as sb:
+            assert sb.exec("cat d/g").text() == "top\n"
+        assert host.snapshot_info(name).layers == SnapshotArchive(store).record(name).layers
+    finally:
+        host.shutdown()
 
 
 def test_pushing_twice_uploads_each_layer_once(local_provider, pushed):

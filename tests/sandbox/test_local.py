@@ -193,3 +193,18 @@ def test_warm_pool_hands_out_sandboxes_equal_to_cold_ones(state_dir, local_provi
         for p in local_provider.sandboxes_dir.iterdir()
         if p.name.startswith("sb_")
     ), "close() left warm jails behind"
+
+
+def test_shutdown_leaves_a_removable_state_dir(tmp_path):
+    import shutil
+
+    state = tmp_path / "state"
+    provider = open_provider("local", state_dir=state)
+    sb = provider.create(SandboxSpec(ttl_s=600))
+    sb.exec("echo x > f")
+    provider.shutdown()
+    assert str(state) not in Path("/proc/self/mountinfo").read_text()
+    with pytest.raises(Exception):
+        sb.exec("true")
+    shutil.rmtree(state)
+    assert not state.exists()

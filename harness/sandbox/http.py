@@ -246,8 +246,7 @@ class HttpSandbox(Sandbox):
                     if room > 0:
                         buf += chunk[:room]
                 elif "exit_code" in msg:
-                    final = msg
-                    break
+                    final = msg  # the stream ends here; reading to its end keeps the connection pooled
                 elif "error" in msg:
                     err = msg["error"]
                     raise error_from(err.get("type", ""), err.get("message", "")) or SandboxError(err.get("message", ""))

@@ -414,14 +414,16 @@ async def _run_exec(sb, body: ExecBody, stdin: bytes | None) -> AsyncIterator[by
             finished.set()
         put({**final, "done": True})
 
+    def beat() -> None:
+        nonlocal timer
+        queue.put_nowait({"heartbeat": True})
+        timer = loop.call_later(HEARTBEAT_S, beat)
+
+    timer = loop.call_later(HEARTBEAT_S, beat)
     threading.Thread(target=work, name=f"exec-{sb.id}", daemon=True).start()
     try:
         while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
-            except TimeoutError:
-                yield b'{"heartbeat": true}\n'
-                continue
+            item = await queue.get()
             done = item.pop("done", False)
             size = item.pop("size", 0)
             yield json.dumps(item).encode() + b"\n"
@@ -432,6 +434,7 @@ async def _run_exec(sb, body: ExecBody, stdin: bytes | None) -> AsyncIterator[by
                     queued[0] -= size
                     drained.notify_all()
     finally:
+        timer.cancel()
         gone.set()  # the client left (or all is sent): a still running command dies at its next output
         with drained:
             drained.notify_all()

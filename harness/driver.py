@@ -246,10 +246,13 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
             ray.shutdown()
         raise
 
-    base = OmegaConf.to_container(cfg, resolve=False)
     manifest: dict[str, Any] = {
         "run_id": run_id, "status": "running", "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "config": base, "points": resolved, "episodes_total": len(requests),
+        # resolved: interpolations filled with the base values; each point's own resolved
+        # policy is under points, and the config as written (with ${...}) under config_source.
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config_source": OmegaConf.to_container(cfg, resolve=False),
+        "points": resolved, "episodes_total": len(requests),
         "env": {"snapshot": built.snapshot, "content_hash": built.content_hash, "cached": built.cached,
                 "build_seconds": built.build_seconds, "baseline": dict(built.baseline)},
         "versions": _versions(),

@@ -110,7 +110,11 @@ def test_median_sweep_datasets_and_no_leaks(tmp_path: Path, ray_local) -> None: 
     assert manifest["status"] == "finished" and manifest["episodes_done"] == 18
     assert manifest["env"]["baseline"]["reward"] == 0.5 and manifest["env"]["snapshot"] == summary.snapshot
     assert manifest["versions"]["ray"] and len(manifest["points"]) == 6
-    assert manifest["config"]["policy"]["command"] == "cp policies/${policy.id}.py task/stats.py"
+    assert manifest["config_source"]["policy"]["command"] == "cp policies/${policy.id}.py task/stats.py"
+    assert manifest["config"]["episodes"] == 3 and manifest["config"]["env"]["dir"].endswith("envs/median")
+    assert [p["policy"]["command"] for p in manifest["points"]][::2] == [
+        f"cp policies/{i}.py task/stats.py" for i in (0, 1, 2)]
+    assert [r["mean_reward"] for r in manifest["results"]] == [0.75, 0.75, 1.0, 1.0, 1.0, 1.0]
 
     with local_provider() as provider:
         leaked = [i for i in provider.list() if (i.name or "").startswith(summary.run_id)]

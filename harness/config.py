@@ -142,7 +142,7 @@ class RunConfig:
     rebuild: bool = False
     """Build the environment even if a snapshot with the same content hash exists."""
     retries: int = 0
-    """Times an episode is run again after an infrastructure failure (sandbox start, actor death); policy and grade failures are never retried."""
+    """Times an episode is run again after an infrastructure failure (a sandbox-layer error, actor death); policy and grade failures are never retried."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Where sandboxes come from."""
     ray: RayConfig = field(default_factory=RayConfig)

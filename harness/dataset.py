@@ -54,6 +54,7 @@ EPISODE_SCHEMA = pa.schema([
     pa.field("error_type", pa.string()),
     pa.field("error", pa.string()),
     pa.field("error_phase", pa.string()),
+    pa.field("infra_error", pa.bool_(), False),  # the sandbox layer or the actor failed (retryable)
     pa.field("actor", pa.string()),
     pa.field("host", pa.string()),
     pa.field("started_at", pa.timestamp("us", tz="UTC"), False),
@@ -96,7 +97,7 @@ def episode_row(r: EpisodeResult, policy_label: str = "") -> dict[str, Any]:
         "clean_start": r.clean_start, "acquire_seconds": r.acquire_seconds, "check_seconds": r.check_seconds,
         "act_seconds": r.act_seconds, "grade_seconds": r.grade_seconds, "release_seconds": r.release_seconds,
         "total_seconds": r.total_seconds, "error_type": r.error_type, "error": r.error,
-        "error_phase": r.error_phase, "actor": r.actor, "host": r.host,
+        "error_phase": r.error_phase, "infra_error": r.infra_error, "actor": r.actor, "host": r.host,
         "started_at": int(r.started_at * 1e6), "finished_at": int(r.finished_at * 1e6),
         "config_hash": q.config_hash,
         "sandbox_info": _json(dict(r.sandbox_info)) if r.sandbox_info is not None else None,

@@ -30,7 +30,7 @@ from harness import config as C
 from harness.actors import EpisodeWorker
 from harness.dataset import DatasetWriter, write_manifest
 from harness.env import EnvSpec, build_env
-from harness.episode import INFRA_PHASES, EpisodeRequest, EpisodeResult, failed_result
+from harness.episode import EpisodeRequest, EpisodeResult, failed_result
 from harness.errors import ConfigError, HarnessError
 from harness.policy import describe as describe_policy
 from harness.policy import make_policy
@@ -208,7 +208,7 @@ def _dispatch(actors: list[Any], new_actor: Callable[[int], Any], requests: list
             ray.kill(actors[slot], no_restart=True)
             reap({f"{req.run_id}-ep{req.episode_id}", f"{req.run_id}-a{slot}-source"})
             actors[slot] = new_actor(slot)
-        if result.error_phase in INFRA_PHASES and req.attempt < retries:
+        if result.infra_error and req.attempt < retries:
             queue.append(dataclasses.replace(req, attempt=req.attempt + 1))  # next out of the queue
         else:
             finished(result)

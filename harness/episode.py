@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.env import ENV_DIR, GradeSpec, read_grade
-from harness.errors import CleanStartError, GradeError, PolicyError
+from harness.errors import CleanStartError, GradeError, PolicyError, SandboxError
 from harness.policy import Observation, is_done, make_policy
 from harness.sandbox.base import Sandbox, SandboxSpec
 
@@ -96,6 +96,8 @@ class EpisodeResult:
     host: str = ""
     #: The sandbox as `harness sandbox info` shows it, taken just before release.
     sandbox_info: Mapping[str, Any] | None = None
+    #: The failure was the infrastructure's (sandbox layer, actor), not the policy's or grader's.
+    infra_error: bool = False
 
     @property
     def ok(self) -> bool:
@@ -126,7 +128,7 @@ def run_episode(
     steps: list[StepRecord] = []
     sandbox: Sandbox | None = None
     sandbox_id = reward = grade_data = clean = info = None
-    terminated = truncated = False
+    terminated = truncated = infra = False
     error: tuple[str, str, str] | None = None
     phase = "acquire"
     policy = None
@@ -139,7 +141,7 @@ def run_episode(
             timings["acquire"] = time.monotonic() - t0
 
         phase, t0 = "check", time.monotonic()
-        res = sandbox.exec(f"test ! -e {grade.result}", timeout=60)
+        res = sandbox.exec(f"test ! -e {shlex.quote(grade.result)}", timeout=60)
         timings["check"] = time.monotonic() - t0
         clean = res.exit_code == 0
         if not clean:
@@ -184,19 +186,22 @@ def run_episode(
             # Remove any result the policy may have written, so that only the grader's counts.
             g = sandbox.exec(f"rm -f {shlex.quote(grade.result)}; {grade.command}", cwd=ENV_DIR,
                              timeout=grade.timeout)
+            tail = " | ".join((g.text("stderr") or g.text()).strip().splitlines()[-2:]) or "no output"
+            if g.timed_out:  # whatever it wrote before, a grader cut short is no grade
+                raise GradeError(f"grade command timed out after {grade.timeout:g}s: {tail}")
             try:
                 grade_data = read_grade(sandbox, grade)
             except GradeError as exc:
                 if g.ok:
                     raise
-                why = "timed out" if g.timed_out else f"exited {g.exit_code}"
-                tail = " | ".join((g.text("stderr") or g.text()).strip().splitlines()[-2:])
-                raise GradeError(f"grade command {why} without a result: {tail or 'no output'}") from exc
+                raise GradeError(f"grade command exited {g.exit_code} without a result: {tail}") from exc
             reward = float(grade_data["reward"])
         finally:
             timings["grade"] = time.monotonic() - t0
     except Exception as exc:  # recorded, never raised: one row per episode
         error = (type(exc).__name__, _one_line(exc), phase)
+        # The sandbox layer failing (not the policy, not the grader) is worth a retry.
+        infra = isinstance(exc, SandboxError) or phase in INFRA_PHASES
     finally:
         if sandbox is not None:
             try:
@@ -208,7 +213,7 @@ def run_episode(
                 sandbox.delete()
             except Exception as exc:
                 if error is None:
-                    error = (type(exc).__name__, _one_line(exc), "release")
+                    error, infra = (type(exc).__name__, _one_line(exc), "release"), True
             timings["release"] = time.monotonic() - t0
     if error is not None:
         reward = None
@@ -220,6 +225,7 @@ def run_episode(
         total_seconds=time.monotonic() - t_start, started_at=started, finished_at=time.time(),
         error_type=error[0] if error else None, error=error[1] if error else None,
         error_phase=error[2] if error else None, actor=actor, host=socket.gethostname(), sandbox_info=info,
+        infra_error=infra,
     )
 
 
@@ -231,4 +237,5 @@ def failed_result(request: EpisodeRequest, error_type: str, error: str, phase: s
         clean_start=None, acquire_seconds=0.0, check_seconds=0.0, act_seconds=0.0, grade_seconds=0.0,
         release_seconds=0.0, total_seconds=0.0, started_at=now, finished_at=now, error_type=error_type,
         error=" ".join(error.split())[:1000], error_phase=phase, actor=actor, host=socket.gethostname(),
+        infra_error=phase in INFRA_PHASES,
     )

@@ -50,7 +50,7 @@ def test_policy_exception_is_recorded_and_sandbox_released(tiny, tmp_path: Path)
     r = EpisodeWorker(built.snapshot, built.spec.grade, provider=provider).run(
         request({"kind": "python", "entrypoint": "badpol:act", "python_path": [str(tmp_path)]}))
     assert r.error_type == "PolicyError" and r.error_phase == "act" and "RuntimeError: boom" in r.error
-    assert r.reward is None and provider.list() == []
+    assert r.reward is None and provider.list() == [] and not r.infra_error
 
 
 def test_policy_load_failure_is_recorded(tiny) -> None:
@@ -102,6 +102,7 @@ def test_acquire_failure_is_recorded() -> None:
 
     r = run_episode(request({"kind": "command", "command": "true"}), acquire, GradeSpec("true"))
     assert r.error_type == "SandboxStartError" and r.error_phase == "acquire" and r.sandbox_id is None
+    assert r.infra_error
 
 
 def test_fork_source_is_replaced_when_it_disappears(tiny) -> None:
@@ -143,3 +144,28 @@ def test_a_result_written_by_the_policy_does_not_count(tiny) -> None:
     r = EpisodeWorker(built.snapshot, built.spec.grade, provider=provider).run(
         request({"kind": "command", "command": forged}))
     assert r.error_type == "GradeError" and r.reward is None
+
+
+def test_a_grader_that_times_out_gives_no_reward_even_with_a_result(tmp_path: Path) -> None:
+    provider = FakeProvider(tmp_path / "state")
+    env = make_tiny_env(tmp_path / "src", grade_body='echo \'{"reward": 1}\' > "$HOME/result.json"\n'
+                                                       '[ -e slow ] && sleep 5\nexit 0\n')
+    built = build_env(provider, EnvSpec.from_dict({"dir": str(env), "grade": {"command": "sh grade.sh",
+                                                                             "timeout": 0.5}}))
+    r = EpisodeWorker(built.snapshot, built.spec.grade, provider=provider).run(
+        request({"kind": "command", "command": "touch slow"}))
+    assert r.error_type == "GradeError" and "timed out" in r.error and r.reward is None
+    assert not r.infra_error
+
+
+def test_a_sandbox_that_dies_mid_episode_is_an_infrastructure_error(tiny) -> None:
+    provider, built = tiny
+    worker = EpisodeWorker(built.snapshot, built.spec.grade, provider=provider)
+
+    class Vanish:
+        def act(self, obs):
+            worker.current.delete()  # as if the sandbox expired or its backend failed
+            return "true"
+
+    r = run_episode(request({}), worker._acquire, built.spec.grade, make=lambda cfg: Vanish())
+    assert r.error_type == "SandboxNotFound" and r.error_phase == "act" and r.infra_error

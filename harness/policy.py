@@ -162,7 +162,8 @@ class OpenAIPolicy:
             self.running = None
         if not self.pending:
             message = self._complete()
-            self.messages.append({k: v for k, v in message.items() if v is not None})
+            # Echo the assistant turn back as sent (content may be null next to tool calls).
+            self.messages.append({k: v for k, v in message.items() if v is not None or k == "content"})
             for call in message.get("tool_calls") or []:
                 try:
                     args = json.loads(call["function"].get("arguments") or "{}")

@@ -145,6 +145,31 @@ class NameBody(BaseModel):
     name: str
 
 
+class ErrorDetail(BaseModel):
+    type: str = Field(description="the exception class, e.g. SandboxNotFound (Unauthorized for 401/403)")
+    message: str = Field(description="one line: what is wrong and what to do")
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in (
+        (400, "bad input (ConfigError)"),
+        (401, "no bearer token"),
+        (403, "wrong bearer token"),
+        (404, "no such sandbox or snapshot"),
+        (409, "the snapshot name is taken"),
+        (422, "invalid request or file path"),
+        (500, "any other sandbox error"),
+        (503, "the backend cannot run here"),
+        (504, "the backend took too long"),
+    )
+}
+
+
 def _no_nul(text: str, what: str) -> None:
     if "\x00" in text:
         raise ConfigError(f"invalid {what}: it contains a NUL byte")
@@ -210,7 +235,8 @@ def create_app(provider: Provider, token: str | None) -> FastAPI:
     app = FastAPI(
         title="harness sandbox server",
         version=__version__,
-        description=(__doc__ or "").split("\n\n")[1],
+        description="\n\n".join((__doc__ or "").split("\n\n")[1:5]),
+        responses=_ERROR_RESPONSES,
         docs_url=None,
         redoc_url=None,
         lifespan=lifespan,

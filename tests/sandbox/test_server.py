@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -196,6 +197,34 @@ def test_cli_verbs_through_the_server(sandbox_server, local_provider):
     finally:
         for sid in created:
             local_provider.get(sid).delete() if sid in {i.id for i in local_provider.list()} else None
+        if snap in {s.name for s in local_provider.snapshots()}:
+            local_provider.delete_snapshot(snap)
+
+
+@pytest.mark.slow
+def test_seed_scripts_run_unchanged_through_the_server(sandbox_server, local_provider, tmp_path):
+    """The seed's build and episode loop (scripts/seed), pointed at the server by two
+    environment variables only. The build pip-installs pytest in the sandbox (needs PyPI)."""
+    seed = Path(__file__).resolve().parents[2] / "scripts" / "seed"
+    snap = unique("aeo-rl-env-v1")
+    env = {**sandbox_server.env(), "SNAP": snap, "PATH": f"{HARNESS.parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    env.pop("SBX", None)
+    env["HARNESS_HOME"] = str(tmp_path / "unused")  # the CLI must not touch a local state directory
+    src = None
+    try:
+        build = subprocess.run([str(seed / "build.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400, check=False)
+        src = (tmp_path / "src.id").read_text().strip() if (tmp_path / "src.id").exists() else None
+        assert build.returncode == 0, build.stderr
+        assert '{"passed": 2, "failed": 2, "reward": 0.5' in build.stdout
+        episodes = subprocess.run([str(seed / "episodes.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert episodes.returncode == 0 and episodes.stderr == "", episodes.stderr
+        rows = [row.split(" ", 5) for row in (tmp_path / "results.txt").read_text().splitlines()[1:]]
+        assert [(r[1], json.loads(r[5])["reward"]) for r in rows] == [("new--from", 0.75), ("new--from", 1.0), ("fork", 1.0)]
+        assert {i.id for i in local_provider.list()} & {r[2] for r in rows} == set()
+        assert not (tmp_path / "unused").exists()
+    finally:
+        if src and src in {i.id for i in local_provider.list()}:
+            local_provider.get(src).delete()
         if snap in {s.name for s in local_provider.snapshots()}:
             local_provider.delete_snapshot(snap)
 

@@ -195,8 +195,9 @@ def test_cli_verbs_through_the_server(sandbox_server, local_provider):
         assert proc.returncode == 1
         assert proc.stderr.startswith("harness: error: no sandbox") and len(proc.stderr.splitlines()) == 1
     finally:
-        for sid in created:
-            local_provider.get(sid).delete() if sid in {i.id for i in local_provider.list()} else None
+        live = {i.id for i in local_provider.list()}
+        for sid in set(created) & live:
+            local_provider.get(sid).delete()
         if snap in {s.name for s in local_provider.snapshots()}:
             local_provider.delete_snapshot(snap)
 

@@ -17,6 +17,7 @@ from harness_fixtures import (
     local_provider,
     median_env,
     median_overrides,
+    state_dir,
     needs_sandbox,
     ray_local,  # noqa: F401  (module-scoped fixture)
 )
@@ -219,3 +220,39 @@ def test_infrastructure_failures_are_retried(tmp_path: Path, ray_local) -> None:
     assert summary.errors == 0
     rows = load_episodes(tmp_path / "results" / "retry").to_pylist()
     assert sorted(r["attempt"] for r in rows) == [0, 0, 1] and all(r["reward"] == 1.0 for r in rows)
+
+
+def test_the_same_run_over_the_http_backend(tmp_path: Path, ray_local) -> None:  # noqa: F811
+    """`sandbox.backend=http`: the actors reach sandboxes through a `harness serve` on loopback."""
+    import socket
+
+    median_env()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", "--port", str(port), "--insecure"],
+                              env={**os.environ, "HARNESS_HOME": str(state_dir())}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and server.poll() is None, server.stderr.read()
+            time.sleep(0.2)
+        cfg = load_config(MEDIAN_CONFIG, median_overrides(tmp_path, episodes=1, **{
+            "sandbox.backend": "http", "sandbox.options": f'{{url: "http://127.0.0.1:{port}"}}',
+            "output.run_id": "http"}))
+        summary = run(cfg, show_progress=False)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert summary.errors == 0 and summary.baseline["reward"] == 0.5
+    means = {(p.point["policy.id"], p.method): p.mean_reward for p in summary.points}
+    assert means == {(i, m): (0.75 if i == 0 else 1.0) for i in (0, 1, 2) for m in ("new_from", "fork")}
+    assert load_episodes(summary.run_dir).column("sandbox_info").null_count == 0

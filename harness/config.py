@@ -98,7 +98,7 @@ class SandboxConfig:
     network: bool = False
     """Outbound network for episode sandboxes (the build always has it)."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for the backend's provider (e.g. base_url for http)."""
+    """Extra keyword arguments for the backend's provider, e.g. {url: "http://host:8765", token: ...} for http."""
 
 
 @dataclass

@@ -164,12 +164,11 @@ def _run(sb: Sandbox, what: str, command: str, timeout: float, log: Log | None) 
     return res.text()
 
 
-def read_grade(sb: Sandbox, grade: GradeSpec) -> dict[str, Any]:
-    """The grader's JSON object; GradeError if missing, unparsable or without a numeric reward."""
-    try:
-        raw = sb.read_file(grade.result)
-    except SandboxFileError as exc:
-        raise GradeError(f"the grader wrote no result at {grade.result}; make it write a JSON object there") from exc
+def parse_grade(raw: bytes | None, grade: GradeSpec) -> dict[str, Any]:
+    """The grader's JSON object from the result file's bytes (None or empty: no result);
+    GradeError if missing, unparsable or without a numeric reward."""
+    if not raw:
+        raise GradeError(f"the grader wrote no result at {grade.result}; make it write a JSON object there")
     try:
         data = json.loads(raw.decode("utf-8", errors="replace"))
     except ValueError as exc:
@@ -178,6 +177,15 @@ def read_grade(sb: Sandbox, grade: GradeSpec) -> dict[str, Any]:
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
         raise GradeError(f"the grader's result {grade.result} has no numeric 'reward': {raw[:80]!r}")
     return data
+
+
+def read_grade(sb: Sandbox, grade: GradeSpec) -> dict[str, Any]:
+    """The grader's JSON object read from the sandbox (see ``parse_grade``)."""
+    try:
+        raw = sb.read_file(grade.result)
+    except SandboxFileError:
+        raw = None
+    return parse_grade(raw, grade)
 
 
 def _upload(sb: Sandbox, spec: EnvSpec) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.env import ENV_DIR, GradeSpec, read_grade
+from harness.env import ENV_DIR, GradeSpec, parse_grade
 from harness.errors import CleanStartError, GradeError, PolicyError, SandboxError
 from harness.policy import Observation, is_done, make_policy
 from harness.sandbox.base import Sandbox, SandboxSpec
@@ -183,14 +183,16 @@ def run_episode(
 
         phase, t0 = "grade", time.monotonic()
         try:
-            # Remove any result the policy may have written, so that only the grader's counts.
-            g = sandbox.exec(f"rm -f {shlex.quote(grade.result)}; {grade.command}", cwd=ENV_DIR,
-                             timeout=grade.timeout)
-            tail = " | ".join((g.text("stderr") or g.text()).strip().splitlines()[-2:]) or "no output"
+            # One exec: remove any result the policy may have written (only the grader's
+            # counts), grade with the grader's stdout sent to stderr, then print the result.
+            result = shlex.quote(grade.result)
+            g = sandbox.exec(f"rm -f {result}; ( {grade.command}\n) 1>&2; rc=$?; "
+                             f"test -f {result} && cat {result}; exit $rc", cwd=ENV_DIR, timeout=grade.timeout)
+            tail = " | ".join(g.text("stderr").strip().splitlines()[-2:]) or "no output"
             if g.timed_out:  # whatever it wrote before, a grader cut short is no grade
                 raise GradeError(f"grade command timed out after {grade.timeout:g}s: {tail}")
             try:
-                grade_data = read_grade(sandbox, grade)
+                grade_data = parse_grade(g.stdout, grade)
             except GradeError as exc:
                 if g.ok:
                     raise

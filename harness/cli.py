@@ -320,13 +320,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure", action="store_true", help="run without a token; only on a loopback address")
     p.set_defaults(func=cmd_serve)
 
-    try:
-        from harness.driver import add_run_parser
-    except ImportError:
-        add_run_parser = None
-    if add_run_parser is not None:
-        add_run_parser(top)
+    p = top.add_parser(
+        "run", help="run a config's episodes (all sweep points) and write Parquet datasets",
+        description="Run CONFIG's episodes on a Ray actor pool; key=value overrides the YAML.",
+    )
+    p.add_argument("config", nargs="?", help="YAML config file, e.g. configs/median.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. episodes=10")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the environment even if it is cached")
+    p.add_argument("--describe", action="store_true", help="print every config key with its default and meaning")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # SUPPRESS: do not clobber a --debug given to the main `harness` parser.
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    p.set_defaults(func=cmd_run)
     return parser
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    # Imported here: Ray and pyarrow cost a third of a second that the
+    # sandbox verbs, called hundreds of times by scripts, should not pay.
+    from harness.driver import run_command
+
+    return run_command(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@
     │   ├── SnapshotExists (FileExistsError)    a snapshot name is taken
     │   ├── SandboxStartError (RuntimeError)    a sandbox could not be started
     │   ├── SandboxTimeout (TimeoutError)       a sandbox operation took too long
+    │   ├── SandboxAuthError (PermissionError)  a sandbox server refused the token
     │   └── SandboxFileError (OSError)          a file call failed inside the sandbox
     └── EnvironmentBuildError                   an environment's setup failed
 
@@ -62,6 +63,10 @@ class SandboxStartError(SandboxError, RuntimeError):
 
 class SandboxTimeout(SandboxError, TimeoutError):
     """A sandbox operation (not a command: see ExecResult.timed_out) took too long."""
+
+
+class SandboxAuthError(SandboxError, PermissionError):
+    """A sandbox server refused the request: no token, or a wrong one."""
 
 
 class SandboxFileError(SandboxError, OSError):

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from harness.sandbox import open_provider
+from sandbox.server_fixture import http_provider, sandbox_server  # noqa: F401  (a real `harness serve`)
 
-BACKENDS = ["local"]
+BACKENDS = ["local", "http"]
 
 
 def pytest_configure(config):
@@ -45,6 +46,8 @@ def provider(request, local_provider):
     """The provider of each backend; every backend must pass the same tests."""
     if request.param == "local":
         yield local_provider
+    elif request.param == "http":
+        yield request.getfixturevalue("http_provider")
     else:  # pragma: no cover - backends join here as they are written
         raise AssertionError(request.param)
 

@@ -27,6 +27,7 @@ import httpx
 from harness import errors
 from harness.errors import (
     ConfigError,
+    SandboxAuthError,
     HarnessError,
     SandboxError,
     SandboxNotFound,
@@ -148,7 +149,10 @@ class HttpProvider(Provider):
         except (ValueError, KeyError, TypeError):
             kind, message = "", response.text.strip().splitlines()[0][:200] if response.text.strip() else ""
         if response.status_code in (401, 403):
-            return ConfigError(f"the sandbox server at {self.url} refused the request ({response.status_code}): {message}")
+            return SandboxAuthError(
+                f"the sandbox server at {self.url} refused the token ({response.status_code}): {message}; "
+                "set HARNESS_SANDBOX_TOKEN to the server's token"
+            )
         exc = error_from(kind, message)
         if exc is not None:
             return exc

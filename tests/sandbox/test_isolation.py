@@ -216,7 +216,7 @@ def test_usr_and_etc_are_read_only(sandbox):
     for path in (f"/usr/{token}", f"/usr/bin/{token}", f"/etc/{token}", f"/bin/{token}"):
         assert not Path(path).exists()
     assert Path("/usr/bin/env").exists()
-    check = run(sandbox, f"test -x /usr/bin/env && ! grep -q '^x$' /etc/passwd /etc/hosts && stat -c %a /usr/bin")
+    check = run(sandbox, "test -x /usr/bin/env && ! grep -q '^x$' /etc/passwd /etc/hosts && stat -c %a /usr/bin")
     assert check.exit_code == 0 and check.text() == "755\n"
 
 

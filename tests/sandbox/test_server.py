@@ -22,6 +22,7 @@ from sandbox.server_fixture import HARNESS, free_port, start_server, stop_server
 
 from harness.errors import (
     ConfigError,
+    SandboxAuthError,
     SandboxError,
     SandboxFileError,
     SandboxNotFound,
@@ -60,9 +61,9 @@ def test_every_route_but_healthz_needs_the_token(sandbox_server):
         assert httpx.get(url + path, headers={"Authorization": f"Basic {sandbox_server.token}"}).status_code == 401
     assert httpx.post(f"{url}/v1/sandboxes", json={}).status_code == 401
     assert httpx.post(f"{url}/v1/gc").status_code == 401
-    with HttpProvider(url, "wrong", retries=0) as provider, pytest.raises(ConfigError, match="403"):
+    with HttpProvider(url, "wrong", retries=0) as provider, pytest.raises(SandboxAuthError, match="403"):
         provider.list()
-    with HttpProvider(url, "", retries=0) as provider, pytest.raises(ConfigError, match="401"):
+    with HttpProvider(url, "", retries=0) as provider, pytest.raises(SandboxAuthError, match="401"):
         provider.list()
 
 

@@ -343,7 +343,28 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     # SUPPRESS: do not clobber a --debug given to the main `harness` parser.
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     p.set_defaults(func=run_command)
+    _allow_intermixed(p)
     return p
+
+
+def _allow_intermixed(parser: argparse.ArgumentParser) -> None:
+    """Let flags and ``key=value`` overrides come in any order (`run C k=v --rebuild k2=v2`):
+    the subparsers action calls ``parse_known_args``; route it through argparse's intermixed
+    parsing, which itself calls ``parse_known_args`` (hence the re-entry guard)."""
+    plain = type(parser).parse_known_args
+    busy = False
+
+    def parse_known_args(args=None, namespace=None):
+        nonlocal busy
+        if busy:
+            return plain(parser, args, namespace)
+        busy = True
+        try:
+            return parser.parse_known_intermixed_args(args, namespace)
+        finally:
+            busy = False
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
 def _describe(out: Console) -> None:

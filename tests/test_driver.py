@@ -256,3 +256,15 @@ def test_the_same_run_over_the_http_backend(tmp_path: Path, ray_local) -> None: 
     means = {(p.point["policy.id"], p.method): p.mean_reward for p in summary.points}
     assert means == {(i, m): (0.75 if i == 0 else 1.0) for i in (0, 1, 2) for m in ("new_from", "fork")}
     assert load_episodes(summary.run_dir).column("sandbox_info").null_count == 0
+
+
+def test_run_parser_takes_flags_anywhere() -> None:
+    import argparse
+
+    from harness.driver import add_run_parser
+
+    parser = argparse.ArgumentParser()
+    add_run_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["run", "c.yaml", "episodes=1", "--rebuild", "sweep={}", "--no-progress"])
+    assert (args.config, args.overrides, args.rebuild, args.no_progress) == ("c.yaml", ["episodes=1", "sweep={}"],
+                                                                             True, True)

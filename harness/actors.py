@@ -8,7 +8,9 @@ directly, without Ray.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +24,23 @@ from harness.sandbox.base import Provider, Sandbox, SandboxSpec
 #: The fork source lives this long, then is replaced on the next fork; a crashed
 #: run's source is thus removed by the backend's TTL instead of leaking.
 SOURCE_TTL_S = 3600.0
+
+
+def ray_node_id() -> str | None:
+    """The Ray node this process runs on, or None outside Ray."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # pragma: no cover - Ray missing or not connected
+        return None
+
+
+def where() -> str:
+    """The ``host`` column: the machine's name, plus the Ray node id inside Ray
+    (several nodes may share a machine, e.g. in tests)."""
+    node = ray_node_id()
+    return f"{socket.gethostname()}/{node}" if node else socket.gethostname()
 
 
 class EpisodeWorker:
@@ -46,10 +65,15 @@ class EpisodeWorker:
         self.current: Sandbox | None = None  # the episode's sandbox, for close() on interrupt
         self.lock = threading.Lock()
         self.closed = False
+        self.host = where()
 
     def ready(self) -> str:
         """Cheap call the driver awaits to know the actor is up."""
         return self.name
+
+    def node_id(self) -> str | None:
+        """The Ray node this worker runs on (the driver reaps leftovers there)."""
+        return ray_node_id()
 
     def _source(self, request: EpisodeRequest) -> Sandbox:
         key = (request.sandbox_type, request.network)
@@ -88,7 +112,8 @@ class EpisodeWorker:
 
     def run(self, request: EpisodeRequest) -> EpisodeResult:
         try:
-            return run_episode(request, self._acquire, self.grade, actor=self.name)
+            result = run_episode(request, self._acquire, self.grade, actor=self.name)
+            return dataclasses.replace(result, host=self.host)
         finally:
             with self.lock:
                 self.current = None

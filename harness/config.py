@@ -99,6 +99,8 @@ class SandboxConfig:
     """Outbound network for episode sandboxes (the build always has it)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the backend's provider, e.g. {url: "http://host:8765", token: ...} for http."""
+    store: str | None = None
+    """Snapshot store URI (a directory, s3://, gs://, hdfs://) for backend local on a multi-node cluster: the driver pushes the environment's snapshot there and each node's actors, with their node's own state directory, pull it on first use; null keeps one state directory for all actors."""
 
 
 @dataclass
@@ -109,6 +111,8 @@ class RayConfig:
     """CPUs of the local Ray when it is started here; null means all cores."""
     actor_cpus: float = 1.0
     """CPUs Ray reserves for each actor (the sandboxes' own processes are not counted)."""
+    spread: bool | None = None
+    """Spread the actors over the cluster's nodes (Ray's SPREAD scheduling strategy); null means when Ray has more than one node."""
 
 
 @dataclass
@@ -246,6 +250,9 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"sweep.{key} must be a non-empty list of values")
     if cfg.output.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,40}", str(cfg.output.run_id)):
         raise ConfigError(f"output.run_id {cfg.output.run_id!r} must be 1-41 letters, digits, '.', '_' or '-'")
+    if cfg.sandbox.store and cfg.sandbox.backend != "local":
+        raise ConfigError("sandbox.store is for backend local; with http, start each `harness serve` with "
+                          "HARNESS_SNAPSHOT_STORE=URI instead")
     if cfg.retries < 0:
         raise ConfigError("retries must be 0 or more")
     if cfg.episodes < 1 or cfg.actors < 1:

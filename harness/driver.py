@@ -156,11 +156,20 @@ def _init_ray(cfg: DictConfig) -> bool:
     return True
 
 
-def _provider_options(cfg: DictConfig) -> dict[str, Any]:
+def _provider_options(cfg: DictConfig, *, actors: bool = False) -> dict[str, Any]:
+    """The provider's keyword arguments on the driver, or (``actors``) in the actors.
+
+    Without ``sandbox.store`` the state directory is resolved here, so that every
+    actor opens the very same one. With it, an actor opens its own node's
+    (``sandbox.state_dir``, else the node's default, e.g. its $HARNESS_HOME) and
+    pulls the snapshot from the store on first use."""
     options = dict(OmegaConf.to_container(cfg.sandbox.options, resolve=True))  # type: ignore[arg-type]
     if cfg.sandbox.backend == "local":
-        # Resolved here so that every actor opens the very same state directory.
-        options["state_dir"] = str(Path(cfg.sandbox.state_dir or default_state_dir()).resolve())
+        store = cfg.sandbox.store
+        if store:
+            options["snapshot_store"] = store if "://" in store else str(Path(store).expanduser().resolve())
+        if not (actors and store and not cfg.sandbox.state_dir):
+            options["state_dir"] = str(Path(cfg.sandbox.state_dir or default_state_dir()).resolve())
     return options
 
 
@@ -177,6 +186,29 @@ def reap_sandboxes(backend: str, options: dict[str, Any], run_id: str, only: set
                     deleted.append(info.name)
                 except HarnessError:
                     pass  # already gone
+    return deleted
+
+
+def reap_on_nodes(backend: str, options: dict[str, Any], run_id: str, nodes: set[str],
+                  only: set[str] | None = None, timeout: float = 60.0) -> list[str]:
+    """``reap_sandboxes`` run on each Ray node in ``nodes``: for actors that keep their
+    sandboxes in their own node's state directory. A node that is gone is skipped
+    (its sandboxes' TTL is the last resort)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not nodes:
+        return []
+    task = ray.remote(num_cpus=0, max_retries=0)(reap_sandboxes)
+    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+            .remote(backend, options, run_id, only) for node in sorted(nodes)]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    deleted: list[str] = []
+    for ref in done:
+        try:
+            deleted += ray.get(ref)
+        except (ray.exceptions.RayError, HarnessError):
+            pass
     return deleted
 
 
@@ -229,6 +261,9 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
         raise ConfigError(f"run directory {run_dir} already has episodes; choose another output.run_id")
 
     options = _provider_options(cfg)
+    actor_options = _provider_options(cfg, actors=True)
+    # Actors keep their sandboxes in their own node's state directory (sandbox.store).
+    node_local = cfg.sandbox.backend == "local" and "state_dir" not in actor_options
     env_data = OmegaConf.to_container(cfg.env, resolve=True)
     env_spec = EnvSpec.from_dict({**env_data, "type": cfg.sandbox.type})  # type: ignore[dict-item]
     n_actors = min(int(cfg.actors), len(requests))
@@ -238,9 +273,19 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
         if n_actors * cfg.ray.actor_cpus > cpus:
             raise ConfigError(f"actors={n_actors} x ray.actor_cpus={cfg.ray.actor_cpus} need more CPUs than Ray "
                               f"has ({cpus:g}); lower actors or ray.actor_cpus")
+        n_nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        spread = cfg.ray.spread if cfg.ray.spread is not None else n_nodes > 1
+        if n_nodes > 1 and cfg.sandbox.backend == "local" and not cfg.sandbox.store:
+            console.print(f"[yellow]Ray has {n_nodes} nodes but sandbox.store is not set: actors on other nodes "
+                          "find the snapshot only if the state directory is shared; set sandbox.store=URI")
         with open_provider(cfg.sandbox.backend, **options) as provider:
             built = build_env(provider, env_spec, rebuild=bool(cfg.rebuild),
                               log=lambda m: console.print(f"[dim]{escape(m)}"))
+            if cfg.sandbox.store:
+                t_push = time.monotonic()
+                provider.push_snapshot(built.snapshot, options["snapshot_store"])  # type: ignore[attr-defined]
+                console.print(f"[dim]env {escape(env_spec.name)}: snapshot {built.snapshot} in the store "
+                              f"{escape(options['snapshot_store'])} ({time.monotonic() - t_push:.1f}s)")
     except BaseException:
         if owns_ray:
             ray.shutdown()
@@ -264,9 +309,29 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
     Worker = ray.remote(num_cpus=cfg.ray.actor_cpus, max_concurrency=2)(EpisodeWorker)
     grade = dict(env_data["grade"])  # type: ignore[index]
 
+    if spread:
+        Worker = Worker.options(scheduling_strategy="SPREAD")
+    node_refs: list[Any] = []  # each actor's Ray node, where its leftovers are reaped (node_local)
+
     def new_actor(i: int):
-        return Worker.remote(built.snapshot, grade, backend=cfg.sandbox.backend, provider_options=options,
-                             name=f"{run_id}-a{i}")
+        actor = Worker.remote(built.snapshot, grade, backend=cfg.sandbox.backend, provider_options=actor_options,
+                              name=f"{run_id}-a{i}")
+        if node_local:
+            node_refs.append(actor.node_id.remote())
+        return actor
+
+    def reap(only: set[str] | None = None) -> list[str]:
+        deleted = reap_sandboxes(cfg.sandbox.backend, options, run_id, only)
+        if node_local and node_refs:
+            known, _ = ray.wait(node_refs, num_returns=len(node_refs), timeout=10)
+            nodes = set()
+            for ref in known:
+                try:
+                    nodes.add(ray.get(ref))
+                except ray.exceptions.RayError:
+                    pass  # the actor died before it said where it was
+            deleted += reap_on_nodes(cfg.sandbox.backend, actor_options, run_id, nodes - {None}, only)
+        return deleted
 
     actors = [new_actor(i) for i in range(n_actors)]
     status, counts = "failed", {"done": 0, "failures": 0}
@@ -295,8 +360,7 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
                 if on_result:
                     on_result(result)
 
-            _dispatch(actors, new_actor, requests, finished,
-                      lambda names: reap_sandboxes(cfg.sandbox.backend, options, run_id, names), int(cfg.retries))
+            _dispatch(actors, new_actor, requests, finished, reap, int(cfg.retries))
         status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -309,7 +373,7 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
             for a in actors:
                 ray.kill(a, no_restart=True)
             try:
-                leaked = reap_sandboxes(cfg.sandbox.backend, options, run_id)
+                leaked = reap()
                 if leaked:
                     console.print(f"[yellow]deleted {len(leaked)} sandboxes left by actors: {', '.join(leaked)}")
             except HarnessError as exc:

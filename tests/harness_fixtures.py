@@ -16,6 +16,7 @@ import itertools
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -211,14 +212,14 @@ def state_dir() -> Path:
         try:
             from harness.sandbox import open_provider
 
-            with open_provider("local", state_dir=path) as p:
+            p = open_provider("local", state_dir=path)
+            if hasattr(p, "shutdown"):  # deletes every sandbox and unmounts the state's tmpfs
+                p.shutdown()
+            else:
                 for info in p.list():
-                    try:
-                        p.get(info.id).delete()
-                    except Exception:
-                        pass
-        except Exception:
-            pass
+                    p.get(info.id).delete()
+        except Exception as exc:  # at exit: say so, but do not fail the session
+            print(f"harness_fixtures: cleaning {path} failed: {exc!r}", file=sys.stderr)
         shutil.rmtree(path, ignore_errors=True)
 
     atexit.register(cleanup)

@@ -1,17 +1,19 @@
 """Multi-node: the median sweep on a real two-node Ray cluster on this machine.
 
-Each node is a `ray start` process group of its own with its own state directory
-(HARNESS_HOME), its own ports and one CPU; the driver (this process) has a third
-state directory, builds the environment there and pushes its snapshot to a store
-(a local directory); every node pulls it on first use. Only the process groups
-started here are stopped; the cluster's temp dir is private, so no other Ray
-client on the machine finds it.
+Each node is a `ray start --block` process in a session of its own, with its own
+state directory (HARNESS_HOME), its own ports and one CPU. The driver is a
+`harness run` subprocess with a third state directory: it has the environment's
+build there and pushes the snapshot to a store (a local directory); every node
+pulls it on first use. Ray's token auth is on, with a token of the test's own.
+Only the sessions started here are stopped; the cluster's temp dir is private,
+so no other Ray client on the machine finds the cluster.
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -55,7 +57,7 @@ class LocalCluster:
 
     def add_node(self, home: Path, *, head: bool) -> None:
         ports = free_ports(10)
-        worker_lo = 20000 + (ports[9] % 20000)
+        worker_lo = 10000 + (ports[9] % 20000)  # below the ephemeral range that free_ports draws from
         temp = self.root / f"ray{len(self.procs)}"  # short: Ray's socket paths must fit in 107 bytes
         args = [str(RAY), "start", "--block", "--num-cpus=1",
                 "--object-store-memory=100000000", "--disable-usage-stats", f"--temp-dir={temp}",
@@ -108,11 +110,15 @@ class LocalCluster:
             p.wait(timeout=10)
 
 
+#: The test cluster's own Ray auth token (not the user's ~/.ray/auth_token, which may not exist).
+RAY_TOKEN = secrets.token_hex(32)
+
+
 def driver_env(**extra: str) -> dict[str, str]:
-    """A Ray client's environment: Ray's token auth on (the cluster uses the user's
-    ~/.ray/auth_token), set before the process starts as Ray requires."""
+    """The environment of the cluster's processes and its clients: Ray's token auth
+    on, with the test's own token (Ray reads both at process start)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "HARNESS_SNAPSHOT_STORE"}
-    return {**env, "RAY_AUTH_MODE": "token", **extra}
+    return {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": RAY_TOKEN, **extra}
 
 
 def session_members(sid: int) -> list[int]:

@@ -8,6 +8,7 @@ run and every episode yields exactly one dataset row. The sandbox is deleted in
 
 from __future__ import annotations
 
+import secrets
 import shlex
 import socket
 import time
@@ -21,6 +22,8 @@ from harness.policy import Observation, is_done, make_policy
 from harness.sandbox.base import Sandbox, SandboxSpec
 
 METHODS = ("new_from", "fork")
+#: Exit status of the clean-start check's prefix when the grader's result already exists.
+UNCLEAN_EXIT = 97
 #: Phases whose failures are the infrastructure's, not the policy's or the grader's: retryable.
 INFRA_PHASES = ("acquire", "actor")
 
@@ -140,14 +143,11 @@ def run_episode(
         finally:
             timings["acquire"] = time.monotonic() - t0
 
-        phase, t0 = "check", time.monotonic()
-        res = sandbox.exec(f"test ! -e {shlex.quote(grade.result)}", timeout=60)
-        timings["check"] = time.monotonic() - t0
-        clean = res.exit_code == 0
-        if not clean:
-            raise CleanStartError(f"sandbox {sandbox_id} did not start clean: {grade.result} already exists")
-
         phase, t0 = "act", time.monotonic()
+        # The clean-start check rides along with the first command (one process start
+        # less per episode): a prefix that exits with a marker if the result file exists.
+        marker = f"harness-unclean-start-{secrets.token_hex(4)}"
+        check = f"test ! -e {shlex.quote(grade.result)} || {{ echo {marker} >&2; exit {UNCLEAN_EXIT}; }}\n"
         try:
             policy = make(request.policy)
             obs = Observation(t=0, prompt=str(request.policy.get("prompt") or ""))
@@ -166,8 +166,13 @@ def run_episode(
                 if t == request.max_steps:
                     truncated = True
                     break
-                r = sandbox.exec(str(action), cwd=ENV_DIR, timeout=request.step_timeout,
+                r = sandbox.exec(("" if clean else check) + str(action), cwd=ENV_DIR, timeout=request.step_timeout,
                                  max_output_bytes=request.max_output_bytes)
+                if not clean:
+                    clean = not (r.exit_code == UNCLEAN_EXIT and marker.encode() in r.stderr)
+                    if not clean:
+                        phase = "check"
+                        raise CleanStartError(f"sandbox {sandbox_id} did not start clean: {grade.result} exists")
                 new_obs = Observation(
                     t=t + 1, prompt=obs.prompt, command=str(action), exit_code=r.exit_code,
                     stdout=_decode(r.stdout, request.max_output_bytes),
@@ -180,6 +185,13 @@ def run_episode(
             timings["act"] = time.monotonic() - t0
             if policy is not None and hasattr(policy, "close"):
                 policy.close()
+        if not clean:  # the policy ran no command: check on its own
+            phase, t0 = "check", time.monotonic()
+            res = sandbox.exec(check + "true", timeout=60)
+            timings["check"] = time.monotonic() - t0
+            clean = res.exit_code == 0
+            if not clean:
+                raise CleanStartError(f"sandbox {sandbox_id} did not start clean: {grade.result} exists")
 
         phase, t0 = "grade", time.monotonic()
         try:

@@ -169,3 +169,27 @@ def test_a_sandbox_that_dies_mid_episode_is_an_infrastructure_error(tiny) -> Non
 
     r = run_episode(request({}), worker._acquire, built.spec.grade, make=lambda cfg: Vanish())
     assert r.error_type == "SandboxNotFound" and r.error_phase == "act" and r.infra_error
+
+
+@pytest.mark.parametrize("policy", ["command", "done at once"])
+def test_a_dirty_start_stops_before_the_policy_acts(tiny, tmp_path: Path, policy: str) -> None:
+    provider, built = tiny
+    worker = EpisodeWorker(built.snapshot, built.spec.grade, provider=provider)
+    worker._source(request({}, "fork")).exec("echo '{}' > ~/result.json")
+    ran = tmp_path / "ran"  # the fake runs commands on the host: this shows whether the policy's ran
+    cfg = {"kind": "command", "command": f"touch {ran}"} if policy == "command" else {"kind": "script",
+                                                                                          "commands": ["done"]}
+    r = worker.run(request(cfg, "fork"))
+    worker.close()
+    assert r.error_type == "CleanStartError" and r.error_phase == "check" and r.clean_start is False
+    assert not ran.exists() and r.steps == () and r.reward is None
+
+
+def test_a_clean_start_is_recorded_with_either_path(tiny) -> None:
+    provider, built = tiny
+    worker = EpisodeWorker(built.snapshot, built.spec.grade, provider=provider)
+    acted = worker.run(request({"kind": "command", "command": "echo 42 > answer.txt"}))
+    idle = worker.run(request({"kind": "script", "commands": ["done"]}))
+    assert acted.clean_start is True and acted.reward == 1.0 and acted.check_seconds == 0.0
+    assert idle.clean_start is True and idle.reward == 0.25 and idle.check_seconds > 0
+    assert acted.steps[0].new_obs.stderr == "" and acted.steps[0].action == "echo 42 > answer.txt"

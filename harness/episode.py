@@ -198,7 +198,7 @@ def run_episode(
             # One exec: remove any result the policy may have written (only the grader's
             # counts), grade with the grader's stdout sent to stderr, then print the result.
             result = shlex.quote(grade.result)
-            g = sandbox.exec(f"rm -f {result}; ( {grade.command}\n) 1>&2; rc=$?; "
+            g = sandbox.exec(f"! test -e {result} || rm -f {result}; ( {grade.command}\n) 1>&2; rc=$?; "
                              f"test -f {result} && cat {result}; exit $rc", cwd=ENV_DIR, timeout=grade.timeout)
             tail = " | ".join(g.text("stderr").strip().splitlines()[-2:]) or "no output"
             if g.timed_out:  # whatever it wrote before, a grader cut short is no grade

@@ -99,6 +99,8 @@ class SandboxConfig:
     """Outbound network for episode sandboxes (the build always has it)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the backend's provider, e.g. {url: "http://host:8765", token: ...} for http."""
+    hosts: list[str] = field(default_factory=list)
+    """Sandbox servers (`harness serve` URLs) for backend http to spread episodes over: actor i uses hosts[i % len(hosts)], and each server builds the environment once (cached by its content hash). Empty: sandbox.options.url or $HARNESS_SANDBOX_URL."""
     store: str | None = None
     """Snapshot store URI (a directory, s3://, gs://, hdfs://) for backend local on a multi-node cluster: the driver pushes the environment's snapshot there and each node's actors, with their node's own state directory, pull it on first use; null keeps one state directory for all actors."""
 
@@ -253,6 +255,11 @@ def validate(cfg: DictConfig) -> None:
     if cfg.sandbox.store and cfg.sandbox.backend != "local":
         raise ConfigError("sandbox.store is for backend local; with http, start each `harness serve` with "
                           "HARNESS_SNAPSHOT_STORE=URI instead")
+    if cfg.sandbox.hosts and cfg.sandbox.backend != "http":
+        raise ConfigError("sandbox.hosts lists `harness serve` URLs for backend http; set sandbox.backend=http")
+    for url in cfg.sandbox.hosts:
+        if not str(url).startswith(("http://", "https://")):
+            raise ConfigError(f"sandbox.hosts entry {url!r} must start with http:// or https://")
     if cfg.retries < 0:
         raise ConfigError("retries must be 0 or more")
     if cfg.episodes < 1 or cfg.actors < 1:

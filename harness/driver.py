@@ -262,6 +262,9 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
 
     options = _provider_options(cfg)
     actor_options = _provider_options(cfg, actors=True)
+    # With sandbox.hosts, each server is a provider of its own: it builds the
+    # environment (cached by content hash) and serves the actors given to it.
+    host_options = [{**options, "url": url} for url in cfg.sandbox.hosts] or [options]
     # Actors keep their sandboxes in their own node's state directory (sandbox.store).
     node_local = cfg.sandbox.backend == "local" and "state_dir" not in actor_options
     env_data = OmegaConf.to_container(cfg.env, resolve=True)
@@ -278,12 +281,14 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
         if n_nodes > 1 and cfg.sandbox.backend == "local" and not cfg.sandbox.store:
             console.print(f"[yellow]Ray has {n_nodes} nodes but sandbox.store is not set: actors on other nodes "
                           "find the snapshot only if the state directory is shared; set sandbox.store=URI")
-        with open_provider(cfg.sandbox.backend, **options) as provider:
-            built = build_env(provider, env_spec, rebuild=bool(cfg.rebuild),
-                              log=lambda m: console.print(f"[dim]{escape(m)}"))
+        for opts in reversed(host_options):  # the first host's build is the one recorded
+            with open_provider(cfg.sandbox.backend, **opts) as provider:
+                built = build_env(provider, env_spec, rebuild=bool(cfg.rebuild),
+                                  log=lambda m: console.print(f"[dim]{escape(m)}"))
             if cfg.sandbox.store:
                 t_push = time.monotonic()
-                provider.push_snapshot(built.snapshot, options["snapshot_store"])  # type: ignore[attr-defined]
+                with open_provider(cfg.sandbox.backend, **options) as provider:
+                    provider.push_snapshot(built.snapshot, options["snapshot_store"])  # type: ignore[attr-defined]
                 console.print(f"[dim]env {escape(env_spec.name)}: snapshot {built.snapshot} in the store "
                               f"{escape(options['snapshot_store'])} ({time.monotonic() - t_push:.1f}s)")
     except BaseException:
@@ -314,14 +319,15 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
     node_refs: list[Any] = []  # each actor's Ray node, where its leftovers are reaped (node_local)
 
     def new_actor(i: int):
-        actor = Worker.remote(built.snapshot, grade, backend=cfg.sandbox.backend, provider_options=actor_options,
+        opts = {**actor_options, **host_options[i % len(host_options)]} if cfg.sandbox.hosts else actor_options
+        actor = Worker.remote(built.snapshot, grade, backend=cfg.sandbox.backend, provider_options=opts,
                               name=f"{run_id}-a{i}")
         if node_local:
             node_refs.append(actor.node_id.remote())
         return actor
 
     def reap(only: set[str] | None = None) -> list[str]:
-        deleted = reap_sandboxes(cfg.sandbox.backend, options, run_id, only)
+        deleted = [d for opts in host_options for d in reap_sandboxes(cfg.sandbox.backend, opts, run_id, only)]
         if node_local and node_refs:
             known, _ = ray.wait(node_refs, num_returns=len(node_refs), timeout=10)
             nodes = set()

@@ -222,39 +222,58 @@ def test_infrastructure_failures_are_retried(tmp_path: Path, ray_local) -> None:
     assert sorted(r["attempt"] for r in rows) == [0, 0, 1] and all(r["reward"] == 1.0 for r in rows)
 
 
-def test_the_same_run_over_the_http_backend(tmp_path: Path, ray_local) -> None:  # noqa: F811
-    """`sandbox.backend=http`: the actors reach sandboxes through a `harness serve` on loopback."""
+def _start_server(home: Path) -> tuple[subprocess.Popen, str]:
     import socket
 
-    median_env()
+    import httpx
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", "--port", str(port), "--insecure"],
-                              env={**os.environ, "HARNESS_HOME": str(state_dir())}, stdout=subprocess.DEVNULL,
+                              env={**os.environ, "HARNESS_HOME": str(home)}, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
-    try:
-        import httpx
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return server, f"http://127.0.0.1:{port}"
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or server.poll() is not None:
+            server.kill()
+            raise AssertionError(server.stderr.read())
+        time.sleep(0.2)
 
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and server.poll() is None, server.stderr.read()
-            time.sleep(0.2)
-        cfg = load_config(MEDIAN_CONFIG, median_overrides(tmp_path, episodes=1, **{
-            "sandbox.backend": "http", "sandbox.options": f'{{url: "http://127.0.0.1:{port}"}}',
-            "output.run_id": "http"}))
+
+def test_the_same_run_over_two_sandbox_servers(tmp_path: Path, ray_local) -> None:  # noqa: F811
+    """`sandbox.backend=http` with `sandbox.hosts`: actors are spread over two `harness serve`
+    on loopback, each with its own state directory (so each builds the environment)."""
+    from harness.sandbox import open_provider
+
+    median_env()
+    servers = []
+    try:
+        servers.append(_start_server(state_dir()))
+        servers.append(_start_server(tmp_path / "second-host"))
+        urls = [url for _, url in servers]
+        cfg = load_config(MEDIAN_CONFIG, median_overrides(tmp_path, episodes=1, actors=2, **{
+            "sandbox.backend": "http", "sandbox.hosts": "[" + ",".join(urls) + "]", "output.run_id": "http"}))
         summary = run(cfg, show_progress=False)
+        for url in urls:  # each host built (or had) the environment's snapshot
+            with open_provider("http", url=url) as host:
+                assert summary.snapshot in {snap.name for snap in host.snapshots()}
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        for server, _ in servers:
+            server.terminate()
+            server.wait(timeout=30)
+        if (tmp_path / "second-host").exists():
+            open_provider("local", state_dir=tmp_path / "second-host").shutdown()
     assert summary.errors == 0 and summary.baseline["reward"] == 0.5
     means = {(p.point["policy.id"], p.method): p.mean_reward for p in summary.points}
     assert means == {(i, m): (0.75 if i == 0 else 1.0) for i in (0, 1, 2) for m in ("new_from", "fork")}
+    rows = load_episodes(summary.run_dir).to_pylist()
+    assert {r["actor"].rsplit("-", 1)[-1] for r in rows} == {"a0", "a1"}, "episodes did not use both actors/hosts"
     assert load_episodes(summary.run_dir).column("sandbox_info").null_count == 0
 
 

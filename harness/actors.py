@@ -24,6 +24,8 @@ from harness.sandbox.base import Provider, Sandbox, SandboxSpec
 #: The fork source lives this long, then is replaced on the next fork; a crashed
 #: run's source is thus removed by the backend's TTL instead of leaking.
 SOURCE_TTL_S = 3600.0
+#: Started sandboxes a local worker keeps ready (see harness.sandbox._pool).
+WARM_POOL_SIZE = 2
 
 
 def ray_node_id() -> str | None:
@@ -58,7 +60,11 @@ class EpisodeWorker:
     ):
         self.snapshot = snapshot
         self.grade = grade if isinstance(grade, GradeSpec) else GradeSpec(**grade)
-        self.provider = provider or open_provider(backend, **dict(provider_options or {}))
+        options = dict(provider_options or {})
+        if backend == "local":
+            # Jails for the next episodes start while this one runs (new_from).
+            options.setdefault("pool_size", WARM_POOL_SIZE)
+        self.provider = provider or open_provider(backend, **options)
         self.name = name or f"worker-{os.getpid()}"
         self.source: Sandbox | None = None
         self.source_key: tuple[str, bool] | None = None
@@ -131,3 +137,4 @@ class EpisodeWorker:
             except Exception:
                 pass
         self._drop_source()
+        self.provider.close()  # deletes the warm pool's jails

@@ -90,7 +90,7 @@ def main() -> int:
             sb.delete()
             # Let the pool refill between samples, as it does between episodes.
             deadline = time.monotonic() + 5
-            while len(pooled._pool._ready.get(("small", False), ())) < 4 and time.monotonic() < deadline:
+            while sum(map(len, pooled._pool._ready.values())) < 4 and time.monotonic() < deadline:
                 time.sleep(0.005)
 
         settle(warm_new_and_py())  # the first claim starts the pool

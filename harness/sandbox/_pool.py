@@ -1,12 +1,12 @@
-"""A warm pool of started, empty jails for one LocalProvider (opt-in, in-process).
+"""A warm pool of started jails for one LocalProvider (opt-in, in-process).
 
 Starting a jail costs a few milliseconds of namespace and mount set-up; a
-long-lived process that creates many sandboxes (a rollout worker) can pay that
-in the background instead. A pooled jail is an ordinary sandbox with an empty
-home and a short TTL, hidden from ``list``; ``create`` claims one, restacks its
-home over the requested snapshot's layers and hands it out. A claim that fails
-for any reason falls back to a cold start, so the pool can only make creation
-faster, never different.
+long-lived process that creates many sandboxes from the same snapshot (a
+rollout worker) can pay that in the background instead. A pooled jail is an
+ordinary sandbox started from the snapshot, with a short TTL, hidden from
+``list``, in which nothing has run; ``create`` claims one and hands it out. A
+claim that fails for any reason falls back to a cold start, so the pool can
+only make creation faster, never different.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Seconds a pooled jail waits to be claimed before it is deleted (gc sees the TTL).
-POOL_TTL_S = 900.0
+POOL_TTL_S = 300.0
 
-Key = tuple[str, bool]  # (sandbox type, network)
+Key = tuple[str, bool, "str | None"]  # (sandbox type, network, snapshot id or None for empty)
 
 
 class WarmPool:

@@ -125,8 +125,8 @@ class LocalProvider(Provider):
         pool_size: int = 0,
         snapshot_store: str | None = None,
     ):
-        """``pool_size`` > 0 keeps that many started jails ready per (type, network)
-        in a background thread, for processes that create many sandboxes.
+        """``pool_size`` > 0 keeps that many started jails ready per (type, network,
+        snapshot) in a background thread, for processes that create many sandboxes.
         ``snapshot_store`` (default ``$HARNESS_SNAPSHOT_STORE``) is a store URI
         that snapshots missing here are pulled from on first use."""
         from harness.sandbox import default_state_dir
@@ -341,8 +341,10 @@ class LocalProvider(Provider):
             check_name(spec.name, "sandbox")
         snap = self.snapshot_info(from_snapshot) if from_snapshot else None
         if self._pool is not None:
-            warm = self._pool.take((spec.type, spec.network))
-            if warm is not None and (claimed := self._claim(warm, spec, snap)) is not None:
+            # Keyed by the snapshot's content id: a name reused for new content
+            # never hands out a jail prepared from the old one.
+            warm = self._pool.take((spec.type, spec.network, snap.snapshot_id if snap else None))
+            if warm is not None and (claimed := self._claim(warm, spec)) is not None:
                 return claimed
         if snap is not None:
             meta = self._new_meta(spec, snap.layers, from_snapshot=snap.name)
@@ -350,32 +352,33 @@ class LocalProvider(Provider):
             meta = self._new_meta(spec, (LayerStore.EMPTY,))
         return self._start_new(meta)
 
-    def _start_pooled(self, type_: str, network: bool) -> str:
+    def _start_pooled(self, type_: str, network: bool, snapshot_id: str | None) -> str:
+        """A started jail, prepared from a snapshot (or empty), waiting to be claimed."""
         spec = SandboxSpec(type=type_, network=network, ttl_s=POOL_TTL_S)  # type: ignore[arg-type]
-        return self._start_new(self._new_meta(spec, (LayerStore.EMPTY,), pooled=True)).id
+        if snapshot_id is None:
+            meta = self._new_meta(spec, (LayerStore.EMPTY,), pooled=True)
+        else:
+            snap = self.snapshot_store.get(snapshot_id)
+            meta = self._new_meta(spec, snap.layers, from_snapshot=snap.name, pooled=True)
+        return self._start_new(meta).id
 
-    def _claim(self, sandbox_id: str, spec: SandboxSpec, snap: SnapshotInfo | None) -> LocalSandbox | None:
-        """Turn a warm jail into the sandbox asked for; None if it is no longer usable."""
+    def _claim(self, sandbox_id: str, spec: SandboxSpec) -> LocalSandbox | None:
+        """Hand out a warm jail as the sandbox asked for; None if it is no longer usable.
+        Nothing ran in it, so it is exactly what a cold start would give."""
         try:
             with self._locked(sandbox_id):
                 meta = self._load(sandbox_id)
                 if not meta.running() or meta.expired():
                     raise SandboxNotFound(sandbox_id)
                 now = time.time()
-                claimed = replace(
+                replace(
                     meta,
                     name=spec.name,
                     created_at=now,
                     expires_at=now + spec.ttl_s if spec.ttl_s else None,
                     env=dict(spec.env),
                     pooled=False,
-                )
-                if snap is not None:
-                    claimed = replace(claimed, layers=snap.layers, from_snapshot=snap.name, generation=meta.generation + 1)
-                    upper, work = self._new_rw(claimed)
-                    lowers = [self.layer_path(x) for x in reversed(claimed.layers)]
-                    _jail.restack(meta.init_pid or 0, lowers, upper, work)
-                claimed.save(self._dir(sandbox_id) / "meta.json")
+                ).save(self._dir(sandbox_id) / "meta.json")
             return LocalSandbox(self, sandbox_id)
         except (SandboxError, OSError):
             self._destroy(sandbox_id)

@@ -167,9 +167,10 @@ def test_warm_pool_hands_out_sandboxes_equal_to_cold_ones(state_dir, local_provi
 
         first = pooled.create(SandboxSpec(ttl_s=600), from_snapshot=name)  # cold: starts the pool
         deadline = time.monotonic() + 20
-        while len(pooled._pool._ready.get(("small", False), ())) < 2 and time.monotonic() < deadline:
+        key = ("small", False, local_provider.snapshot_info(name).snapshot_id)
+        while len(pooled._pool._ready.get(key, ())) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        warm_ids = set(pooled._pool._ready[("small", False)])
+        warm_ids = set(pooled._pool._ready[key])
         assert len(warm_ids) == 2
         assert not warm_ids & {i.id for i in pooled.list()}, "warm jails must not be listed"
         warm = pooled.create(SandboxSpec(name="claimed", ttl_s=300, env={"K": "v"}), from_snapshot=name)

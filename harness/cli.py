@@ -320,7 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure", action="store_true", help="run without a token; only on a loopback address")
     p.set_defaults(func=cmd_serve)
 
-    p = top.add_parser(
+    add_run_parser(top)
+    return parser
+
+
+def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds `run` to the `harness` command's subparsers."""
+    p = subparsers.add_parser(
         "run", help="run a config's episodes (all sweep points) and write Parquet datasets",
         description="Run CONFIG's episodes on a Ray actor pool; key=value overrides the YAML.",
     )
@@ -332,7 +338,28 @@ def build_parser() -> argparse.ArgumentParser:
     # SUPPRESS: do not clobber a --debug given to the main `harness` parser.
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     p.set_defaults(func=cmd_run)
-    return parser
+    _allow_intermixed(p)
+    return p
+
+
+def _allow_intermixed(parser: argparse.ArgumentParser) -> None:
+    """Let flags and ``key=value`` overrides come in any order (`run C k=v --rebuild k2=v2`):
+    the subparsers action calls ``parse_known_args``; route it through argparse's intermixed
+    parsing, which itself calls ``parse_known_args`` (hence the re-entry guard)."""
+    plain = type(parser).parse_known_args
+    busy = False
+
+    def parse_known_args(args=None, namespace=None):
+        nonlocal busy
+        if busy:
+            return plain(parser, args, namespace)
+        busy = True
+        try:
+            return parser.parse_known_intermixed_args(args, namespace)
+        finally:
+            busy = False
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
 def cmd_run(args: argparse.Namespace) -> int:

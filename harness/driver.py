@@ -15,7 +15,7 @@ import secrets
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -399,44 +399,6 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
                       time.monotonic() - t_run, status == "interrupted")
 
 
-def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Adds `run` to the `harness` command's subparsers."""
-    p = subparsers.add_parser(
-        "run", help="run a config's episodes (all sweep points) and write Parquet datasets",
-        description="Run CONFIG's episodes on a Ray actor pool; key=value overrides the YAML.",
-    )
-    p.add_argument("config", nargs="?", help="YAML config file, e.g. configs/median.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. episodes=10")
-    p.add_argument("--rebuild", action="store_true", help="rebuild the environment even if it is cached")
-    p.add_argument("--describe", action="store_true", help="print every config key with its default and meaning")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    # SUPPRESS: do not clobber a --debug given to the main `harness` parser.
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    p.set_defaults(func=run_command)
-    _allow_intermixed(p)
-    return p
-
-
-def _allow_intermixed(parser: argparse.ArgumentParser) -> None:
-    """Let flags and ``key=value`` overrides come in any order (`run C k=v --rebuild k2=v2`):
-    the subparsers action calls ``parse_known_args``; route it through argparse's intermixed
-    parsing, which itself calls ``parse_known_args`` (hence the re-entry guard)."""
-    plain = type(parser).parse_known_args
-    busy = False
-
-    def parse_known_args(args=None, namespace=None):
-        nonlocal busy
-        if busy:
-            return plain(parser, args, namespace)
-        busy = True
-        try:
-            return parser.parse_known_intermixed_args(args, namespace)
-        finally:
-            busy = False
-
-    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
-
-
 def _describe(out: Console) -> None:
     table = Table(title="harness run: configuration keys")
     for col in ("key", "type", "default", "meaning"):
@@ -480,13 +442,7 @@ def run_command(args: argparse.Namespace) -> int:
     return 1 if summary.errors else 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m harness.driver ...`: the same as `harness run ...`."""
-    parser = argparse.ArgumentParser(prog="harness")
-    add_run_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["run", *(sys.argv[1:] if argv is None else argv)])
-    return run_command(args)
+if __name__ == "__main__":  # `python -m harness.driver ...` is `harness run ...`
+    from harness.cli import main
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["run", *sys.argv[1:]]))

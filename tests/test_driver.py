@@ -280,7 +280,7 @@ def test_the_same_run_over_two_sandbox_servers(tmp_path: Path, ray_local) -> Non
 def test_run_parser_takes_flags_anywhere() -> None:
     import argparse
 
-    from harness.driver import add_run_parser
+    from harness.cli import add_run_parser
 
     parser = argparse.ArgumentParser()
     add_run_parser(parser.add_subparsers(dest="command"))

@@ -68,27 +68,23 @@ def cmd_new(args: argparse.Namespace) -> int:
     spec = _spec(args, network=not args.no_network)
     if args.json:
         _print_json({"event": "creating", "name": spec.name, "type": spec.type, "fromSnapshot": args.from_snapshot})
-    started = time.perf_counter()
-    sandbox = provider.create(spec, from_snapshot=args.from_snapshot)
-    start_s = round(time.perf_counter() - started, 6)
-    if args.json:
-        _print_json({"event": "ready", **sandbox.info().to_json(), "startSeconds": start_s})
-    else:
-        print(sandbox.id)
-    return 0
+    return _announce(args, lambda: provider.create(spec, from_snapshot=args.from_snapshot))
 
 
 def cmd_fork(args: argparse.Namespace) -> int:
-    provider = _provider()
-    source = provider.get(args.id)
+    source = _provider().get(args.id)
     spec = _spec(args, network=not args.no_network)
+    return _announce(args, lambda: source.fork(spec))
+
+
+def _announce(args: argparse.Namespace, start) -> int:
+    """Start a sandbox; print its id, or with --json its ready event (the seed's format)."""
     started = time.perf_counter()
-    child = source.fork(spec)
-    start_s = round(time.perf_counter() - started, 6)
+    sandbox = start()
     if args.json:
-        _print_json({"event": "ready", **child.info().to_json(), "startSeconds": start_s})
+        _print_json({"event": "ready", **sandbox.info().to_json(), "startSeconds": round(time.perf_counter() - started, 6)})
     else:
-        print(child.id)
+        print(sandbox.id)
     return 0
 
 

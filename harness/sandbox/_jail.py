@@ -295,7 +295,7 @@ def _await_ready(
             if holder:
                 break
             time.sleep(pause)
-            pause = min(pause * 2, 0.005)
+            pause = min(pause * 2, 0.001)
         if not holder:
             if proc.poll() is None:
                 proc.kill()

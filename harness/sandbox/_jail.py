@@ -154,7 +154,10 @@ def _root_links() -> list[str]:
     return args
 
 
-def bwrap_args(paths: JailPaths, *, hostname: str, tmp_bytes: int, info_fd: int) -> list[str]:
+def bwrap_args(paths: JailPaths, *, hostname: str, tmp_bytes: int, info_fd: int, lifetime_s: float | None = None) -> list[str]:
+    """``lifetime_s``: the holder sleeps that long and then exits, which ends the
+    jail: a time-to-live the kernel enforces even if no harness process ever
+    looks at the sandbox again (its state directory deleted, say)."""
     args = [
         "bwrap",
         "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
@@ -183,7 +186,7 @@ def bwrap_args(paths: JailPaths, *, hostname: str, tmp_bytes: int, info_fd: int)
     args += [
         "--chdir", "/home/user",
         "--info-fd", str(info_fd),
-        "--", "/bin/sleep", "infinity",
+        "--", "/bin/sleep", "infinity" if lifetime_s is None else str(max(1, int(lifetime_s) + 1)),
     ]
     return args
 
@@ -216,6 +219,7 @@ def start(
     tmp_bytes: int,
     network: bool,
     cgroup_procs: Sequence[Path],
+    lifetime_s: float | None = None,
     ready_timeout: float = 30.0,
 ) -> Jail:
     """Start a jail over existing upper and work dirs; return once commands can enter it."""
@@ -233,7 +237,7 @@ def start(
             pass_fds.append(exit_w)
         try:
             proc = subprocess.Popen(
-                bwrap_args(paths, hostname=hostname, tmp_bytes=tmp_bytes, info_fd=info_w),
+                bwrap_args(paths, hostname=hostname, tmp_bytes=tmp_bytes, info_fd=info_w, lifetime_s=lifetime_s),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,

@@ -43,7 +43,7 @@ from harness.errors import SandboxError, SandboxFileError, SandboxNotFound, Sand
 from harness.sandbox import _jail
 from harness.sandbox._cgroup import Layout, SandboxCgroup
 from harness.sandbox._exec import run_in_jail
-from harness.sandbox._pool import POOL_TTL_S, WarmPool
+from harness.sandbox._pool import POOL_CLAIM_MAX_TTL_S, POOL_TTL_S, WarmPool
 from harness.sandbox._store import LayerStore, SnapshotStore, check_name, copy_tree
 from harness.sandbox.base import (
     HOME,
@@ -59,6 +59,8 @@ from harness.sandbox.base import (
 )
 
 _ID_RE = re.compile(r"^sb_[a-z0-9]{10}$")
+#: A jail ends by itself this long after its TTL if no call or gc removed it first.
+DEADLINE_GRACE_S = 60.0
 _BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": HOME,
@@ -94,6 +96,7 @@ class _Meta:
     slirp_pid: int | None = None
     slirp_start: int | None = None
     pooled: bool = False  # a warm, unclaimed jail (see _pool)
+    deadline: float | None = None  # when the jail ends by itself, whatever happens (see _jail.bwrap_args)
 
     @classmethod
     def load(cls, path: Path) -> _Meta:
@@ -258,6 +261,8 @@ class LocalProvider(Provider):
             env=dict(spec.env),
             **extra,
         )
+        if meta.deadline is None and meta.expires_at is not None:
+            meta = replace(meta, deadline=meta.expires_at + DEADLINE_GRACE_S)
         d = self._dir(meta.id)
         (d / "merged").mkdir(parents=True)
         meta.save(d / "meta.json")
@@ -288,6 +293,7 @@ class LocalProvider(Provider):
                 tmp_bytes=res.tmp_bytes,
                 network=meta.network,
                 cgroup_procs=cg.leaf_procs("init"),
+                lifetime_s=None if meta.deadline is None else meta.deadline - time.time(),
             )
         except BaseException:
             cg.remove()
@@ -355,11 +361,13 @@ class LocalProvider(Provider):
     def _start_pooled(self, type_: str, network: bool, snapshot_id: str | None) -> str:
         """A started jail, prepared from a snapshot (or empty), waiting to be claimed."""
         spec = SandboxSpec(type=type_, network=network, ttl_s=POOL_TTL_S)  # type: ignore[arg-type]
+        # The jail must outlive its wait in the pool plus the TTL it is claimed with.
+        deadline = time.time() + POOL_TTL_S + POOL_CLAIM_MAX_TTL_S
         if snapshot_id is None:
-            meta = self._new_meta(spec, (LayerStore.EMPTY,), pooled=True)
+            meta = self._new_meta(spec, (LayerStore.EMPTY,), pooled=True, deadline=deadline)
         else:
             snap = self.snapshot_store.get(snapshot_id)
-            meta = self._new_meta(spec, snap.layers, from_snapshot=snap.name, pooled=True)
+            meta = self._new_meta(spec, snap.layers, from_snapshot=snap.name, pooled=True, deadline=deadline)
         return self._start_new(meta).id
 
     def _claim(self, sandbox_id: str, spec: SandboxSpec) -> LocalSandbox | None:
@@ -368,9 +376,11 @@ class LocalProvider(Provider):
         try:
             with self._locked(sandbox_id):
                 meta = self._load(sandbox_id)
+                now = time.time()
                 if not meta.running() or meta.expired():
                     raise SandboxNotFound(sandbox_id)
-                now = time.time()
+                if meta.deadline is not None and (not spec.ttl_s or now + spec.ttl_s + DEADLINE_GRACE_S > meta.deadline):
+                    raise SandboxNotFound(sandbox_id)  # it would end before the TTL asked for: start one cold
                 replace(
                     meta,
                     name=spec.name,

@@ -209,3 +209,24 @@ def test_shutdown_leaves_a_removable_state_dir(tmp_path):
         sb.exec("true")
     shutil.rmtree(state)
     assert not state.exists()
+
+
+def test_a_jail_ends_by_itself_at_its_deadline_even_without_any_record(local_provider, monkeypatch):
+    import shutil
+    import time
+
+    from harness.sandbox import local as local_mod
+    from harness.sandbox._jail import alive
+
+    monkeypatch.setattr(local_mod, "DEADLINE_GRACE_S", 0.0)
+    sb = local_provider.create(SandboxSpec(ttl_s=1))
+    meta = local_provider._load(sb.id)
+    assert alive(meta.init_pid, meta.init_start)
+    # Lose every trace the backend keeps (as when a state directory is deleted).
+    shutil.rmtree(local_provider._dir(sb.id))
+    deadline = time.monotonic() + 10
+    while alive(meta.init_pid, meta.init_start) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(meta.init_pid, meta.init_start), "the jail outlived its time-to-live"
+    local_provider.gc()  # the cgroup of a sandbox without a record goes too
+    assert not local_provider.cgroup(sb.id)._freezer_dir(None).exists()

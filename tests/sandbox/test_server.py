@@ -288,7 +288,7 @@ def test_a_silent_command_stops_when_its_client_hangs_up(sandbox_server, http_pr
             assert response.status_code == 200
             time.sleep(0.5)  # hang up while the command is silent
         deadline = time.monotonic() + 10
-        while re.search("sleep (77|66)", procs := sb.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").text()):
+        while re.search(r"sleep (77|66)\b", procs := sb.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").text()):
             assert time.monotonic() < deadline, f"the command outlived its client: {procs}"
             time.sleep(0.1)
 

@@ -154,7 +154,15 @@ def _root_links() -> list[str]:
     return args
 
 
-def bwrap_args(paths: JailPaths, *, hostname: str, tmp_bytes: int, info_fd: int, lifetime_s: float | None = None) -> list[str]:
+def bwrap_args(
+    paths: JailPaths,
+    *,
+    hostname: str,
+    tmp_bytes: int,
+    info_fd: int,
+    lifetime_s: float | None = None,
+    die_with_parent: bool = False,
+) -> list[str]:
     """``lifetime_s``: the holder sleeps that long and then exits, which ends the
     jail: a time-to-live the kernel enforces even if no harness process ever
     looks at the sandbox again (its state directory deleted, say)."""
@@ -163,6 +171,7 @@ def bwrap_args(paths: JailPaths, *, hostname: str, tmp_bytes: int, info_fd: int,
         "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
         "--hostname", hostname,
         "--cap-drop", "ALL",
+        *(["--die-with-parent"] if die_with_parent else []),
         "--ro-bind", "/usr", "/usr",
         *_root_links(),
         "--ro-bind", "/etc", "/etc",
@@ -220,6 +229,7 @@ def start(
     network: bool,
     cgroup_procs: Sequence[Path],
     lifetime_s: float | None = None,
+    die_with_parent: bool = False,
     ready_timeout: float = 30.0,
 ) -> Jail:
     """Start a jail over existing upper and work dirs; return once commands can enter it."""
@@ -237,7 +247,10 @@ def start(
             pass_fds.append(exit_w)
         try:
             proc = subprocess.Popen(
-                bwrap_args(paths, hostname=hostname, tmp_bytes=tmp_bytes, info_fd=info_w, lifetime_s=lifetime_s),
+                bwrap_args(
+                    paths, hostname=hostname, tmp_bytes=tmp_bytes, info_fd=info_w,
+                    lifetime_s=lifetime_s, die_with_parent=die_with_parent,
+                ),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,

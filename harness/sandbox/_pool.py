@@ -6,7 +6,11 @@ rollout worker) can pay that in the background instead. A pooled jail is an
 ordinary sandbox started from the snapshot, with a short TTL, hidden from
 ``list``, in which nothing has run; ``create`` claims one and hands it out. A
 claim that fails for any reason falls back to a cold start, so the pool can
-only make creation faster, never different.
+only make creation faster, never different, except in one way: a pooled jail
+is started with bubblewrap's --die-with-parent from the pool's thread, so it
+ends with the provider's process or its ``close()``, claimed or not. That is
+what a rollout worker wants (nothing outlives it); a script that wants its
+sandboxes to outlive it should not use a pool.
 """
 
 from __future__ import annotations

@@ -294,6 +294,9 @@ class LocalProvider(Provider):
                 network=meta.network,
                 cgroup_procs=cg.leaf_procs("init"),
                 lifetime_s=None if meta.deadline is None else meta.deadline - time.time(),
+                # A warm jail belongs to the process whose pool started it: if that
+                # process dies, even before it recorded the jail, the jail dies too.
+                die_with_parent=meta.pooled,
             )
         except BaseException:
             cg.remove()
@@ -473,8 +476,8 @@ class LocalProvider(Provider):
                         self._destroy(d.name)
                         deleted.append(d.name)
                     continue
-                if meta.expired():
-                    self._destroy(meta.id)
+                if meta.expired() or (meta.init_pid is not None and not meta.running()):
+                    self._destroy(meta.id)  # expired, or its jail died (killed, reboot)
                     deleted.append(meta.id)
         self._gc_cgroups()
         used = {layer for s in self.snapshot_store.list() for layer in s.layers}

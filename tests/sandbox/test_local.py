@@ -230,3 +230,33 @@ def test_a_jail_ends_by_itself_at_its_deadline_even_without_any_record(local_pro
     assert not alive(meta.init_pid, meta.init_start), "the jail outlived its time-to-live"
     local_provider.gc()  # the cgroup of a sandbox without a record goes too
     assert not local_provider.cgroup(sb.id)._freezer_dir(None).exists()
+
+
+def test_warm_jails_die_with_the_process_that_pooled_them(state_dir):
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from harness.sandbox._jail import alive
+
+    script = f"""
+import json, time
+from harness.sandbox import SandboxSpec, open_provider
+p = open_provider("local", state_dir={str(state_dir)!r}, pool_size=2)
+p.create(SandboxSpec(ttl_s=60)).delete()  # starts filling the pool
+deadline = time.monotonic() + 20
+while sum(map(len, p._pool._ready.values())) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+ids = [i for q in p._pool._ready.values() for i in q]
+print(json.dumps([[p._load(i).init_pid, p._load(i).init_start] for i in ids]), flush=True)
+import os; os._exit(0)  # no close(): as when a worker is killed
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    jails = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(jails) == 2
+    deadline = time.monotonic() + 10
+    while any(alive(pid, start) for pid, start in jails) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid, start) for pid, start in jails), "warm jails outlived their process"
+    open_provider("local", state_dir=state_dir).gc()

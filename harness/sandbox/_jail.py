@@ -88,7 +88,8 @@ class JailPaths:
     work: Path
     lowers: tuple[Path, ...]  # top first, as overlayfs wants them
     etc: Path  # generated passwd, group, hosts, resolv.conf
-    state_binds: tuple[Path, ...]  # root-only dirs bound at the same path (run and layers)
+    state_binds: tuple[Path, ...]  # root-only dirs bound at the same path (run, layers, records)
+    record: Path  # the sandbox's record directory: the jail ends soon after it disappears
 
 
 @dataclass(frozen=True)
@@ -163,9 +164,8 @@ def bwrap_args(
     lifetime_s: float | None = None,
     die_with_parent: bool = False,
 ) -> list[str]:
-    """``lifetime_s``: the holder sleeps that long and then exits, which ends the
-    jail: a time-to-live the kernel enforces even if no harness process ever
-    looks at the sandbox again (its state directory deleted, say)."""
+    """``lifetime_s``: the holder exits after that long, which ends the jail (see
+    ``_holder_script``)."""
     args = [
         "bwrap",
         "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
@@ -195,9 +195,27 @@ def bwrap_args(
     args += [
         "--chdir", "/home/user",
         "--info-fd", str(info_fd),
-        "--", "/bin/sleep", "infinity" if lifetime_s is None else str(max(1, int(lifetime_s) + 1)),
+        "--", "/bin/sh", "-c", _holder_script(paths.record, lifetime_s),
     ]
     return args
+
+
+#: How often a jail's holder checks that its sandbox still has a record.
+HOLDER_CHECK_S = 5
+
+
+def _holder_script(record: Path, lifetime_s: float | None) -> str:
+    """The jail's holder: it lives while the sandbox's record exists and, with a
+    TTL, until the TTL's deadline; when it exits, the jail ends. So a sandbox
+    whose record was lost (its state directory deleted, a create killed half-way)
+    cannot outlive it by more than a few seconds, whether or not any harness
+    process ever runs again. The records directory is bound root-only into the
+    jail at its host path; only the holder, uid 0 without capabilities, reads it."""
+    rounds = "-1" if lifetime_s is None else str(max(1, int(lifetime_s) // HOLDER_CHECK_S + 1))
+    return (
+        f"n={rounds}; while [ -d {shlex.quote(str(record))} ] && [ $n -ne 0 ]; "
+        f"do sleep {HOLDER_CHECK_S}; n=$((n-1)); done"
+    )
 
 
 def write_etc(etc: Path, network: bool) -> None:
@@ -282,11 +300,11 @@ def join_cgroups_argv(cgroup_procs: Sequence[Path]) -> list[str]:
 
 def _holder_pid(init_pid: int) -> int | None:
     """The pid of the jail's holder once bubblewrap has finished setting up and
-    exec'd it (its name turns from bwrap to sleep)."""
+    exec'd it (its name turns from bwrap to sh)."""
     try:
         children = Path(f"/proc/{init_pid}/task/{init_pid}/children").read_text().split()
         for child in children:
-            if Path(f"/proc/{child}/comm").read_text().strip() == "sleep":
+            if Path(f"/proc/{child}/comm").read_text().strip() == "sh":
                 return int(child)
     except (OSError, ValueError):
         pass

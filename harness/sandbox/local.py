@@ -140,6 +140,7 @@ class LocalProvider(Provider):
         self.snapshot_store = SnapshotStore(self.state_dir / "snapshots", self.layers)
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.sandboxes_dir.chmod(0o700)
         self.layers.root.chmod(0o700)
         self.run_dir = self.state_dir / "run"
         self._mount_run()
@@ -284,7 +285,8 @@ class LocalProvider(Provider):
             work=work,
             lowers=tuple(self.layer_path(layer) for layer in reversed(meta.layers)),
             etc=self._etc(meta.network),
-            state_binds=(self.run_dir, self.layers.root),
+            state_binds=(self.run_dir, self.layers.root, self.sandboxes_dir),
+            record=d,
         )
         try:
             jail = _jail.start(

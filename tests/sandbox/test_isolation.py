@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.sandbox._jail import HOLDER_CHECK_S
+
 from harness.errors import SandboxNotFound
 from harness.sandbox import SandboxSpec
 
@@ -115,9 +117,11 @@ def unique_sleep() -> str:
 
 
 def visible_cmdlines(sb) -> list[str]:
-    """The command lines of every process the sandbox can see, from inside."""
+    """The command lines of every process the sandbox can see, from inside, but
+    the holder's periodic `sleep` (see harness.sandbox._jail._holder_script)."""
     result = run(sb, "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done 2>/dev/null")
-    return [line for line in result.text().splitlines() if line.strip()]
+    holder_sleep = f"sleep {HOLDER_CHECK_S} "
+    return [line for line in result.text().splitlines() if line.strip() and line != holder_sleep]
 
 
 # -- fixtures -----------------------------------------------------------------------

@@ -211,25 +211,44 @@ def test_shutdown_leaves_a_removable_state_dir(tmp_path):
     assert not state.exists()
 
 
-def test_a_jail_ends_by_itself_at_its_deadline_even_without_any_record(local_provider, monkeypatch):
-    import shutil
+def _wait_dead(meta, seconds: float) -> bool:
     import time
 
-    from harness.sandbox import local as local_mod
     from harness.sandbox._jail import alive
 
+    deadline = time.monotonic() + seconds
+    while alive(meta.init_pid, meta.init_start) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not alive(meta.init_pid, meta.init_start)
+
+
+def test_a_jail_ends_by_itself_when_its_record_is_lost(local_provider, monkeypatch):
+    import shutil
+
+    from harness.sandbox import _jail
+
+    monkeypatch.setattr(_jail, "HOLDER_CHECK_S", 1)
+    sb = local_provider.create(SandboxSpec(ttl_s=600))
+    meta = local_provider._load(sb.id)
+    # Lose every trace the backend keeps (as when a state directory is deleted).
+    shutil.rmtree(local_provider._dir(sb.id))
+    assert _wait_dead(meta, 10), "the jail outlived its record"
+    local_provider.gc()  # the cgroup of a sandbox without a record goes too
+    assert not local_provider.cgroup(sb.id)._freezer_dir(None).exists()
+
+
+def test_a_jail_ends_by_itself_after_its_ttl(local_provider, monkeypatch):
+    from harness.sandbox import _jail
+    from harness.sandbox import local as local_mod
+
+    monkeypatch.setattr(_jail, "HOLDER_CHECK_S", 1)
     monkeypatch.setattr(local_mod, "DEADLINE_GRACE_S", 0.0)
     sb = local_provider.create(SandboxSpec(ttl_s=1))
     meta = local_provider._load(sb.id)
-    assert alive(meta.init_pid, meta.init_start)
-    # Lose every trace the backend keeps (as when a state directory is deleted).
-    shutil.rmtree(local_provider._dir(sb.id))
-    deadline = time.monotonic() + 10
-    while alive(meta.init_pid, meta.init_start) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(meta.init_pid, meta.init_start), "the jail outlived its time-to-live"
-    local_provider.gc()  # the cgroup of a sandbox without a record goes too
-    assert not local_provider.cgroup(sb.id)._freezer_dir(None).exists()
+    # Nobody calls the backend: the kernel ends the jail all the same.
+    assert _wait_dead(meta, 10), "the jail outlived its time-to-live"
+    local_provider.gc()
+    assert sb.id not in [i.id for i in local_provider.list()]
 
 
 def test_warm_jails_die_with_the_process_that_pooled_them(state_dir):

@@ -265,16 +265,3 @@ class SandboxCgroup:
         elif self.layout.version == 1:
             for d in self._v1_dirs().values():
                 _rmdir_tree(d)
-
-    def memory_events(self) -> dict[str, int]:
-        """OOM counters, to tell a memory-limit kill from other deaths."""
-        try:
-            if self.layout.version == 2:
-                text = (self._v2_dir() / "memory.events").read_text()
-                return {k: int(v) for k, v in (line.split() for line in text.splitlines())}
-            if self.layout.version == 1:
-                text = (self._v1_dirs()["memory"] / "memory.oom_control").read_text()
-                return {k: int(v) for k, v in (line.split() for line in text.splitlines())}
-        except (OSError, ValueError):
-            pass
-        return {}

@@ -218,8 +218,9 @@ class LocalProvider(Provider):
 
     def _live(self, sandbox_id: str) -> _Meta:
         """The sandbox's record after the TTL and liveness checks. A sandbox whose
-        jail died (killed from outside, or the machine restarted) lost its files,
-        which live in memory, so it is removed rather than shown half alive."""
+        jail died (killed from outside, or the machine restarted) has lost its
+        processes, and with a restart its files too (they live in memory), so it
+        is removed rather than shown half alive."""
         meta = self._load(sandbox_id)
         if meta.expired():
             self._destroy(sandbox_id)

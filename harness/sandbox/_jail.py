@@ -20,9 +20,9 @@ import ctypes
 import ipaddress
 import json
 import os
+import shlex
 import shutil
 import signal
-import shlex
 import subprocess
 import time
 from collections.abc import Sequence

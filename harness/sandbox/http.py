@@ -27,8 +27,8 @@ import httpx
 from harness import errors
 from harness.errors import (
     ConfigError,
-    SandboxAuthError,
     HarnessError,
+    SandboxAuthError,
     SandboxError,
     SandboxNotFound,
     SandboxTimeout,

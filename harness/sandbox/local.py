@@ -26,94 +26,37 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
-import re
-import secrets
-import shlex
 import shutil
 import time
-import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
-from harness.errors import SandboxError, SandboxFileError, SandboxNotFound, SandboxUnavailable, SnapshotNotFound
+from harness.errors import (
+    SandboxError,
+    SandboxNotFound,
+    SandboxUnavailable,
+    SnapshotNotFound,
+)
 from harness.sandbox import _jail
 from harness.sandbox._cgroup import Layout, SandboxCgroup
-from harness.sandbox._exec import run_in_jail
+from harness.sandbox._local_sandbox import LocalSandbox
 from harness.sandbox._pool import POOL_CLAIM_MAX_TTL_S, POOL_TTL_S, WarmPool
-from harness.sandbox._store import LayerStore, SnapshotStore, check_name, copy_tree
+from harness.sandbox._record import ID_RE, SandboxRecord, new_id
+from harness.sandbox._store import LayerStore, SnapshotStore, check_name
 from harness.sandbox.base import (
-    HOME,
     SANDBOX_TYPES,
-    ExecResult,
     GcReport,
-    OutputCallback,
     Provider,
-    Sandbox,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
 )
 
-_ID_RE = re.compile(r"^sb_[a-z0-9]{10}$")
 #: A jail ends by itself this long after its TTL if no call or gc removed it first.
 DEADLINE_GRACE_S = 60.0
-_BASE_ENV = {
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": HOME,
-    "USER": "user",
-    "LOGNAME": "user",
-    "SHELL": "/bin/sh",
-    "LANG": "C.UTF-8",
-}
-
-
-def _new_id() -> str:
-    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
-    return "sb_" + "".join(secrets.choice(alphabet) for _ in range(10))
-
-
-@dataclass(frozen=True)
-class _Meta:
-    """What the backend keeps on disk about one sandbox."""
-
-    id: str
-    name: str | None
-    type: str
-    network: bool
-    created_at: float
-    expires_at: float | None
-    layers: tuple[str, ...]  # bottom first: a sha256 (on disk) or "eph/<uuid>" (in memory)
-    generation: int = 0  # which upper-N/work-N is the sandbox's current writable layer
-    from_snapshot: str | None = None
-    resumed_from: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    init_pid: int | None = None
-    init_start: int | None = None
-    slirp_pid: int | None = None
-    slirp_start: int | None = None
-    pooled: bool = False  # a warm, unclaimed jail (see _pool)
-    deadline: float | None = None  # when the jail ends by itself, whatever happens (see _jail.bwrap_args)
-
-    @classmethod
-    def load(cls, path: Path) -> _Meta:
-        data = json.loads(path.read_text())
-        data["layers"] = tuple(data["layers"])
-        return cls(**data)
-
-    def save(self, path: Path) -> None:
-        tmp = path.with_name(f".meta-{secrets.token_hex(4)}")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
-
-    def expired(self, now: float | None = None) -> bool:
-        return self.expires_at is not None and (now or time.time()) >= self.expires_at
-
-    def running(self) -> bool:
-        return _jail.alive(self.init_pid, self.init_start)
 
 
 class LocalProvider(Provider):
@@ -170,12 +113,12 @@ class LocalProvider(Provider):
     def layer_path(self, layer: str) -> Path:
         return self.run_dir / layer if layer.startswith("eph/") else self.layers.path(layer)
 
-    def _rw(self, meta: _Meta) -> tuple[Path, Path]:
+    def _rw(self, meta: SandboxRecord) -> tuple[Path, Path]:
         """The sandbox's current upper and work dirs."""
         base = self.run_dir / meta.id
         return base / f"upper-{meta.generation}", base / f"work-{meta.generation}"
 
-    def _new_rw(self, meta: _Meta) -> tuple[Path, Path]:
+    def _new_rw(self, meta: SandboxRecord) -> tuple[Path, Path]:
         upper, work = self._rw(meta)
         upper.mkdir(parents=True, mode=0o755)
         os.chown(upper, _jail.SANDBOX_UID, _jail.SANDBOX_GID)
@@ -208,15 +151,15 @@ class LocalProvider(Provider):
         finally:
             os.close(fd)
 
-    def _load(self, sandbox_id: str) -> _Meta:
-        if not _ID_RE.match(sandbox_id or ""):
+    def _load(self, sandbox_id: str) -> SandboxRecord:
+        if not ID_RE.match(sandbox_id or ""):
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}: ids look like sb_0123456789")
         try:
-            return _Meta.load(self._dir(sandbox_id) / "meta.json")
+            return SandboxRecord.load(self._dir(sandbox_id) / "meta.json")
         except (OSError, ValueError, TypeError):
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}; `harness sandbox ls` lists them") from None
 
-    def _live(self, sandbox_id: str) -> _Meta:
+    def _live(self, sandbox_id: str) -> SandboxRecord:
         """The sandbox's record after the TTL and liveness checks. A sandbox whose
         jail died (killed from outside, or the machine restarted) has lost its
         processes, and with a restart its files too (they live in memory), so it
@@ -230,11 +173,11 @@ class LocalProvider(Provider):
             raise SandboxNotFound(f"sandbox {sandbox_id} stopped (its processes were killed) and was removed")
         return meta
 
-    def upper_dir(self, meta: _Meta) -> Path:
+    def upper_dir(self, meta: SandboxRecord) -> Path:
         """The host path of a sandbox's writable layer."""
         return self._rw(meta)[0]
 
-    def _info(self, meta: _Meta) -> SandboxInfo:
+    def _info(self, meta: SandboxRecord) -> SandboxInfo:
         status = "expired" if meta.expired() else ("running" if meta.running() else "stopped")
         return SandboxInfo(
             id=meta.id,
@@ -250,10 +193,10 @@ class LocalProvider(Provider):
             backend=self.name,
         )
 
-    def _new_meta(self, spec: SandboxSpec, layers: tuple[str, ...], **extra) -> _Meta:
+    def _new_meta(self, spec: SandboxSpec, layers: tuple[str, ...], **extra) -> SandboxRecord:
         now = time.time()
-        meta = _Meta(
-            id=_new_id(),
+        meta = SandboxRecord(
+            id=new_id(),
             name=spec.name,
             type=spec.type,
             network=spec.network,
@@ -271,7 +214,7 @@ class LocalProvider(Provider):
         self._new_rw(meta)
         return meta
 
-    def _launch(self, meta: _Meta) -> _Meta:
+    def _launch(self, meta: SandboxRecord) -> SandboxRecord:
         """Start the jail of a sandbox whose directory exists; saves its pids."""
         if meta.network:
             _jail.check_host(network=True)
@@ -314,7 +257,7 @@ class LocalProvider(Provider):
         meta.save(d / "meta.json")
         return meta
 
-    def _start_new(self, meta: _Meta) -> LocalSandbox:
+    def _start_new(self, meta: SandboxRecord) -> LocalSandbox:
         try:
             meta = self._launch(meta)
         except BaseException:
@@ -332,7 +275,7 @@ class LocalProvider(Provider):
             if not trash.exists():
                 return False
         try:
-            meta: _Meta | None = _Meta.load(trash / "meta.json")
+            meta: SandboxRecord | None = SandboxRecord.load(trash / "meta.json")
         except (OSError, ValueError, TypeError):
             meta = None
         if meta is not None:
@@ -410,7 +353,7 @@ class LocalProvider(Provider):
         filesystem, so that the directory can be removed (tests, uninstall)."""
         self.close()
         for d in list(self.sandboxes_dir.iterdir()):
-            if _ID_RE.match(d.name) or d.name.startswith(".trash-"):
+            if ID_RE.match(d.name) or d.name.startswith(".trash-"):
                 self._destroy(d.name.removeprefix(".trash-"))
         self._gc_cgroups()
         _jail.unmount(self.run_dir)
@@ -422,7 +365,7 @@ class LocalProvider(Provider):
     def list(self) -> list[SandboxInfo]:
         out = []
         for d in sorted(self.sandboxes_dir.iterdir()):
-            if not _ID_RE.match(d.name):
+            if not ID_RE.match(d.name):
                 continue
             try:
                 meta = self._load(d.name)
@@ -470,7 +413,7 @@ class LocalProvider(Provider):
         for d in list(self.sandboxes_dir.iterdir()):
             if d.name.startswith(".trash-"):
                 self._destroy(d.name.removeprefix(".trash-"))
-            elif _ID_RE.match(d.name):
+            elif ID_RE.match(d.name):
                 try:
                     meta = self._load(d.name)
                 except SandboxNotFound:
@@ -485,13 +428,13 @@ class LocalProvider(Provider):
         self._gc_cgroups()
         used = {layer for s in self.snapshot_store.list() for layer in s.layers}
         for d in self.sandboxes_dir.iterdir():
-            if _ID_RE.match(d.name):
+            if ID_RE.match(d.name):
                 try:
                     used.update(self._load(d.name).layers)
                 except SandboxNotFound:
                     continue
         for d in self.run_dir.iterdir():
-            if _ID_RE.match(d.name) and not self._dir(d.name).exists():
+            if ID_RE.match(d.name) and not self._dir(d.name).exists():
                 shutil.rmtree(d, ignore_errors=True)
         for eph in (self.run_dir / "eph").iterdir():
             if f"eph/{eph.name}" not in used:
@@ -518,152 +461,3 @@ class LocalProvider(Provider):
                     cg = self.cgroup(sandbox_id)
                     cg.kill()
                     cg.remove()
-
-
-class LocalSandbox(Sandbox):
-    """A handle on one local sandbox; cheap to make, holds no resources itself."""
-
-    def __init__(self, provider: LocalProvider, sandbox_id: str):
-        self.provider = provider
-        self.id = sandbox_id
-
-    def exec(
-        self,
-        command: str,
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-        stdin: bytes | None = None,
-        on_output: OutputCallback | None = None,
-        max_output_bytes: int = 16 << 20,
-    ) -> ExecResult:
-        meta = self.provider._live(self.id)
-        full_env = {**_BASE_ENV, "HOSTNAME": self.id, **meta.env, **(env or {})}
-        return run_in_jail(
-            meta.init_pid or 0,
-            self.provider.cgroup(self.id),
-            command,
-            env=full_env,
-            cwd=cwd,
-            stdin=stdin,
-            timeout=timeout,
-            on_output=on_output,
-            max_output_bytes=max_output_bytes,
-        )
-
-    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        q = shlex.quote(path)
-        script = f'd=$(dirname -- {q}) && mkdir -p -- "$d" && cat > {q} && chmod {mode:o} -- {q}'
-        result = self.exec(script, stdin=data, timeout=300)
-        if result.exit_code != 0:
-            raise SandboxFileError(f"cannot write {path} in {self.id}: {_first_line(result)}")
-
-    def read_file(self, path: str) -> bytes:
-        result = self.exec(f"cat -- {shlex.quote(path)}", timeout=300, max_output_bytes=1 << 40)
-        if result.exit_code != 0:
-            raise SandboxFileError(f"cannot read {path} in {self.id}: {_first_line(result)}")
-        return result.stdout
-
-    def snapshot(self, name: str) -> SnapshotInfo:
-        check_name(name)
-        store = self.provider.snapshot_store
-        store.check_free(name)
-        with self.provider._locked(self.id):
-            meta = self.provider._live(self.id)
-            tmp = self.provider.layers.new_tmp()
-            with self._frozen():
-                copy_tree(self.provider.upper_dir(meta), tmp)
-        chain = [self._persist(layer) for layer in meta.layers]
-        if top := self.provider.layers.add(tmp):
-            chain.append(top)
-        chain = [x for x in chain if x != LayerStore.EMPTY] or [LayerStore.EMPTY]
-        return store.put(name, chain, source=self.id, type_=meta.type, parent=meta.from_snapshot)
-
-    def _persist(self, layer: str) -> str:
-        """An on-disk layer with the content of ``layer`` (itself if it is on disk)."""
-        if not layer.startswith("eph/"):
-            return layer
-        tmp = self.provider.layers.new_tmp()
-        copy_tree(self.provider.layer_path(layer), tmp)
-        return self.provider.layers.add(tmp) or LayerStore.EMPTY
-
-    def fork(self, spec: SandboxSpec | None = None) -> LocalSandbox:
-        provider = self.provider
-        with provider._locked(self.id):
-            meta = provider._live(self.id)
-            spec = spec or SandboxSpec(type=meta.type, network=meta.network, env=meta.env)  # type: ignore[arg-type]
-            cg = provider.cgroup(self.id)
-            cg.freeze()
-            try:
-                if cg.exec_pids():
-                    # Commands are running: their open files pin the current home,
-                    # so it cannot be restacked; copy the changes instead.
-                    child = provider._new_meta(spec, meta.layers, from_snapshot=meta.from_snapshot, resumed_from=self.id)
-                    try:
-                        copy_tree(provider.upper_dir(meta), provider.upper_dir(child))
-                    except BaseException:
-                        provider._destroy(child.id)
-                        raise
-                else:
-                    meta = self._promote(meta)
-                    child = provider._new_meta(spec, meta.layers, from_snapshot=meta.from_snapshot, resumed_from=self.id)
-            finally:
-                cg.thaw()
-        return provider._start_new(child)
-
-    def _promote(self, meta: _Meta) -> _Meta:
-        """Freeze the source's changes into an ephemeral layer (a rename: O(1)) and
-        restack its home over it, so source and children share it read-only."""
-        provider = self.provider
-        upper, _ = provider._rw(meta)
-        if not any(upper.iterdir()):
-            return meta  # nothing changed since the last fork: reuse the layers
-        layer = f"eph/{uuid.uuid4().hex}"
-        os.rename(upper, provider.layer_path(layer))
-        promoted = replace(meta, layers=(*meta.layers, layer), generation=meta.generation + 1)
-        new_upper, new_work = provider._new_rw(promoted)
-        lowers = [provider.layer_path(x) for x in reversed(promoted.layers)]
-        _jail.restack(meta.init_pid or 0, lowers, new_upper, new_work)
-        promoted.save(provider._dir(self.id) / "meta.json")
-        return promoted
-
-    @contextmanager
-    def _frozen(self) -> Iterator[None]:
-        """Hold the sandbox's processes still so a copy of its files is consistent."""
-        cg = self.provider.cgroup(self.id)
-        if not cg.exec_pids():
-            yield  # only the idle holder: nothing can change the files
-            return
-        cg.freeze()
-        try:
-            yield
-        finally:
-            cg.thaw()
-
-    def rename(self, name: str) -> SandboxInfo:
-        check_name(name, "sandbox")
-        with self.provider._locked(self.id):
-            meta = replace(self.provider._live(self.id), name=name)
-            meta.save(self.provider._dir(self.id) / "meta.json")
-        return self.provider._info(meta)
-
-    def info(self) -> SandboxInfo:
-        return self.provider._info(self.provider._live(self.id))
-
-    def delete(self) -> None:
-        self.provider._destroy(self.id)
-
-    # Local extras, not part of the seam.
-    @property
-    def init_pid(self) -> int | None:
-        return self.provider._load(self.id).init_pid
-
-    @property
-    def upper_dir(self) -> Path:
-        return self.provider.upper_dir(self.provider._load(self.id))
-
-
-def _first_line(result: ExecResult) -> str:
-    text = result.text("stderr").strip() or result.text("stdout").strip() or f"exit code {result.exit_code}"
-    return text.splitlines()[-1]

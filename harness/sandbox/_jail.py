@@ -117,17 +117,14 @@ def _mount(source: str, target: Path, fstype: str, flags: int, options: str) -> 
         raise SandboxStartError(f"mounting {fstype} on {target} failed: {os.strerror(err)}")
 
 
-def _detach(target: Path) -> None:
+def detach(target: Path) -> None:
+    """Lazily unmount ``target``; nothing happens if it is not a mount point."""
     _libc.umount2(str(target).encode(), _MNT_DETACH)
-
-
-def unmount(target: Path) -> None:
-    _detach(target)
 
 
 def detach_leftovers(sandbox_dir: Path) -> None:
     """Detach a host mount that a start interrupted by a crash may have left."""
-    _detach(sandbox_dir / "merged")
+    detach(sandbox_dir / "merged")
 
 
 def restack(init_pid: int, lowers: Sequence[Path], upper: Path, work: Path) -> None:
@@ -283,7 +280,7 @@ def start(
         return _await_ready(proc, info_r, exit_r, network, ready_timeout, cgroup_procs)
     finally:
         # Once bubblewrap has bound it (or failed), the host needs the mount no more.
-        _detach(paths.merged)
+        detach(paths.merged)
         for fd in fds:
             os.close(fd)
 

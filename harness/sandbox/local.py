@@ -356,7 +356,7 @@ class LocalProvider(Provider):
             if ID_RE.match(d.name) or d.name.startswith(".trash-"):
                 self._destroy(d.name.removeprefix(".trash-"))
         self._gc_cgroups()
-        _jail.unmount(self.run_dir)
+        _jail.detach(self.run_dir)
 
     def get(self, sandbox_id: str) -> LocalSandbox:
         self._live(sandbox_id)

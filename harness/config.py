@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import itertools
 import json
+import math
 import re
 import textwrap
 from dataclasses import dataclass, field
@@ -147,8 +148,10 @@ class RunConfig:
     """Config keys mapped to lists of values; the run covers their cartesian product."""
     rebuild: bool = False
     """Build the environment even if a snapshot with the same content hash exists."""
-    retries: int = 0
-    """Times an episode is run again after an infrastructure failure (a sandbox-layer error, actor death); policy and grade failures are never retried."""
+    retries: int = 3
+    """Times an episode is run again after an infrastructure failure (a sandbox-layer error, actor or node death), on another actor where possible; policy and grade failures are never retried (see the failure table in the README)."""
+    retry_backoff_s: float = 1.0
+    """Seconds before the first retry; each further failure in a row doubles it (with jitter, at most 30 s), and no new episode starts meanwhile, so a sandbox server that is down is not stormed."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Where sandboxes come from."""
     ray: RayConfig = field(default_factory=RayConfig)
@@ -189,16 +192,40 @@ def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, st
     return rows
 
 
-def _error(exc: OmegaConfBaseException, where: str) -> ConfigError:
+def _error(exc: Exception, where: str) -> ConfigError:
+    if not isinstance(exc, OmegaConfBaseException):  # e.g. a TypeError from merging a YAML merge key
+        return ConfigError(f"invalid config{where}: {type(exc).__name__}: {_line(exc)}")
     key = getattr(exc, "full_key", "") or ""
-    msg = str(exc).splitlines()[0]
+    msg = _line(exc)
     if "not in struct" in msg or "Key '" in msg and "not" in msg:
         return ConfigError(f"unknown config key {key!r}{where}; see `harness run --describe` for the keys")
     return ConfigError(f"bad value for config key {key!r}{where}: {msg}")
 
 
+def _line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, cut to ``limit`` characters."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+#: What goes wrong inside OmegaConf and pathlib on odd input, besides OmegaConf's own errors:
+#: a YAML merge key of the wrong type (TypeError), a NUL in a path (ValueError), self-nesting.
+_ODD = (OmegaConfBaseException, TypeError, ValueError, KeyError, AttributeError, RecursionError)
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfig:
-    """Defaults, then the YAML file, then ``key=value`` overrides; relative dirs resolved."""
+    """Defaults, then the YAML file, then ``key=value`` overrides; relative dirs resolved.
+    Every problem is a one-line ConfigError."""
+    try:
+        return _load_config(path, overrides)
+    except ConfigError:
+        raise
+    except _ODD as exc:
+        raise _error(exc, f" in {path}" if path is not None else "") from exc
+
+
+def _load_config(path: str | Path | None, overrides: list[str]) -> DictConfig:
     cfg = OmegaConf.structured(RunConfig)
     base = Path.cwd()
     if path is not None:
@@ -208,10 +235,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfi
         try:
             data = OmegaConf.load(path)
         except Exception as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(exc).split())}") from exc
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(exc).split())[:300]}") from exc
+        if not isinstance(data, DictConfig):
+            raise ConfigError(f"config file {str(path)!r} must hold a YAML mapping (key: value lines), "
+                              f"not a {type(data).__name__}")
         try:
             cfg = OmegaConf.merge(cfg, data)
-        except OmegaConfBaseException as exc:
+        except _ODD as exc:
             raise _error(exc, f" in {path}") from exc
         base = path.resolve().parent
     for item in overrides:
@@ -227,17 +257,73 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfi
         if replace_sweep:
             cfg.sweep = {}
         cfg = OmegaConf.merge(cfg, dotlist)
-    except OmegaConfBaseException as exc:
+    except _ODD as exc:
         raise _error(exc, " on the command line") from exc
     # Relative host paths in a config file mean "next to the config file".
-    if not OmegaConf.is_missing(cfg.env, "dir"):
-        cfg.env.dir = str((base / Path(cfg.env.dir).expanduser()).resolve())
+    try:
+        if not OmegaConf.is_missing(cfg.env, "dir"):
+            cfg.env.dir = str((base / Path(cfg.env.dir).expanduser()).resolve())
+    except ValueError as exc:  # a NUL byte in the path
+        raise ConfigError(f"env.dir {cfg.env.dir!r} is not a usable path: {_line(exc)}") from exc
     cfg.policy.python_path = [str((base / p).resolve()) for p in cfg.policy.python_path]
     validate(cfg)
     return cfg
 
 
+def _finite(low: float, *, strict: bool = True) -> Any:
+    return lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                      and (v > low if strict else v >= low))
+
+
+_POSITIVE = (_finite(0), "a positive number of seconds")
+#: Checks of the values a sweep point may change: key -> (test, what it must be).
+POINT_CHECKS: dict[str, tuple[Any, str]] = {
+    "method": (lambda v: v in ("new_from", "fork"), "one of: new_from, fork"),
+    "episodes": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer of at least 1"),
+    "sandbox.type": (lambda v: v in ("small", "medium", "large"), "one of: small, medium, large"),
+    "sandbox.ttl_s": _POSITIVE,
+    "sandbox.network": (lambda v: isinstance(v, bool), "true or false"),
+    "policy.kind": (lambda v: v in ("command", "script", "python", "openai"), "one of: command, script, python, openai"),
+    "policy.max_steps": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer of 0 or more"),
+    "policy.step_timeout": _POSITIVE,
+    "policy.request_timeout": _POSITIVE,
+}
+#: Checks of the values shared by the whole run.
+RUN_CHECKS: dict[str, tuple[Any, str]] = {
+    "sandbox.backend": (lambda v: v in ("local", "http"), "local or http"),
+    "actors": (lambda v: v >= 1, "at least 1"),
+    "retries": (lambda v: v >= 0, "0 or more"),
+    "env.setup_timeout": _POSITIVE,
+    "env.grade.timeout": _POSITIVE,
+    "output.batch_rows": (lambda v: v >= 1, "at least 1"),
+    "output.flush_seconds": _POSITIVE,
+    "output.max_output_bytes": (lambda v: v >= 0, "0 or more"),
+    "ray.actor_cpus": (_finite(0, strict=False), "a number of 0 or more"),
+    "ray.num_cpus": (lambda v: v is None or v >= 1, "null or at least 1"),
+}
+
+
+def _check(key: str, value: Any, checks: dict[str, tuple[Any, str]], where: str = "") -> None:
+    test, what = checks[key]
+    try:
+        ok = bool(test(value))
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{key} must be {what}, got {value!r}{where}")
+
+
 def validate(cfg: DictConfig) -> None:
+    """One-line ConfigError for a missing, out-of-range or contradictory setting."""
+    try:
+        _validate(cfg)
+    except ConfigError:
+        raise
+    except _ODD as exc:  # an interpolation to a key that does not exist, and the like
+        raise _error(exc, "") from exc
+
+
+def _validate(cfg: DictConfig) -> None:
     for node, name in ((cfg.env, "dir"), (cfg.env.grade, "command")):
         if OmegaConf.is_missing(node, name):
             key = "env.dir" if name == "dir" else "env.grade.command"
@@ -252,6 +338,13 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"sweep.{key} must be a non-empty list of values")
     if cfg.output.run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,40}", str(cfg.output.run_id)):
         raise ConfigError(f"output.run_id {cfg.output.run_id!r} must be 1-41 letters, digits, '.', '_' or '-'")
+    for key in RUN_CHECKS:
+        _check(key, OmegaConf.select(cfg, key), RUN_CHECKS)
+    # Values a sweep changes are checked per point (point_config), the others here.
+    # (An unknown method is reported by point_config, with the methods there are.)
+    for key in POINT_CHECKS:
+        if key not in cfg.sweep and key != "method":
+            _check(key, OmegaConf.select(cfg, key), POINT_CHECKS)
     if cfg.sandbox.store and cfg.sandbox.backend != "local":
         raise ConfigError("sandbox.store is for backend local; with http, start each `harness serve` with "
                           "HARNESS_SNAPSHOT_STORE=URI instead")
@@ -260,10 +353,8 @@ def validate(cfg: DictConfig) -> None:
     for url in cfg.sandbox.hosts:
         if not str(url).startswith(("http://", "https://")):
             raise ConfigError(f"sandbox.hosts entry {url!r} must start with http:// or https://")
-    if cfg.retries < 0:
-        raise ConfigError("retries must be 0 or more")
-    if cfg.episodes < 1 or cfg.actors < 1:
-        raise ConfigError("episodes and actors must be at least 1")
+    # Resolve everything once: an interpolation of a key that does not exist fails here, not mid-run.
+    OmegaConf.to_container(cfg, resolve=True)
 
 
 def points(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -276,20 +367,26 @@ def points(cfg: DictConfig) -> list[dict[str, Any]]:
 def point_config(cfg: DictConfig, point: dict[str, Any]) -> dict[str, Any]:
     """The resolved config of one sweep point (interpolations filled in)."""
     c = cfg.copy()
+    where = f" in sweep point {json.dumps(point, default=str)}" if point else ""
     for key, value in point.items():
         try:
             OmegaConf.update(c, key, value, merge=False)
-        except OmegaConfBaseException as exc:
-            raise _error(exc, " in sweep") from exc
+        except _ODD as exc:
+            raise _error(exc, where) from exc
     try:
         data = OmegaConf.to_container(c, resolve=True, throw_on_missing=True)
-    except OmegaConfBaseException as exc:
-        raise _error(exc, "") from exc
+    except _ODD as exc:
+        raise _error(exc, where) from exc
     data.pop("sweep", None)  # type: ignore[union-attr]
     from harness.episode import METHODS
 
     if data["method"] not in METHODS:  # type: ignore[index]
-        raise ConfigError(f"unknown method {data['method']!r}; use one of: {', '.join(METHODS)}")  # type: ignore[index]
+        raise ConfigError(f"unknown method {data['method']!r}{where}; use one of: {', '.join(METHODS)}")  # type: ignore[index]
+    for key in POINT_CHECKS:
+        value: Any = data
+        for part in key.split("."):
+            value = value[part]  # type: ignore[index]
+        _check(key, value, POINT_CHECKS, where)
     return data  # type: ignore[return-value]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import tarfile
@@ -165,18 +166,37 @@ def _run(sb: Sandbox, what: str, command: str, timeout: float, log: Log | None) 
 
 
 def parse_grade(raw: bytes | None, grade: GradeSpec) -> dict[str, Any]:
-    """The grader's JSON object from the result file's bytes (None or empty: no result);
-    GradeError if missing, unparsable or without a numeric reward."""
+    """The grader's JSON object from the result file's bytes (None or empty: no result).
+
+    GradeError (one line) if it is missing, not JSON, not an object, or its ``reward``
+    is not a finite number: NaN, Infinity, numbers beyond the float range, booleans,
+    strings and null are refused, so no non-finite reward ever reaches a dataset. The
+    returned object's ``reward`` is a float. Bytes that are not UTF-8 are replaced."""
+    where = " ".join(str(grade.result).split())[:200]
     if not raw:
-        raise GradeError(f"the grader wrote no result at {grade.result}; make it write a JSON object there")
+        raise GradeError(f"the grader wrote no result at {where}; make it write a JSON object there")
+    head = _excerpt(raw)
     try:
         data = json.loads(raw.decode("utf-8", errors="replace"))
-    except ValueError as exc:
-        raise GradeError(f"the grader's result {grade.result} is not JSON: {raw[:80]!r}") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested beyond the parser's depth
+        raise GradeError(f"the grader's result {where} is not JSON: {head}") from exc
     reward = data.get("reward") if isinstance(data, dict) else None
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-        raise GradeError(f"the grader's result {grade.result} has no numeric 'reward': {raw[:80]!r}")
+        raise GradeError(f"the grader's result {where} has no numeric 'reward': {head}")
+    try:
+        value = float(reward)
+    except OverflowError:  # an integer with hundreds of digits
+        value = math.inf
+    if not math.isfinite(value):
+        raise GradeError(f"the grader's result {where} has a reward that is not a finite number: {head}")
+    data["reward"] = value
     return data
+
+
+def _excerpt(raw: bytes, limit: int = 80) -> str:
+    """The first bytes of a result for an error message: one line, printable, short."""
+    text = repr(raw[:limit])
+    return text + (f" (+{len(raw) - limit} bytes)" if len(raw) > limit else "")
 
 
 def read_grade(sb: Sandbox, grade: GradeSpec) -> dict[str, Any]:

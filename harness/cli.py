@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -33,6 +34,23 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
         sys.exit(EXIT_USAGE)
+
+
+def _seconds(zero_ok: bool):
+    """An argparse type: a finite number of seconds, positive (or 0 where 0 means none)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            need = "0 or more" if zero_ok else "more than 0"
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds, {need}")
+        return value
+
+    parse.__name__ = "seconds"
+    return parse
 
 
 def _print_json(obj: Any) -> None:
@@ -64,6 +82,8 @@ def _spec(args: argparse.Namespace, network: bool):
 
 
 def cmd_new(args: argparse.Namespace) -> int:
+    if args.from_snapshot is not None and not args.from_snapshot.strip():
+        raise HarnessError("--from needs a snapshot name; `harness sandbox snapshots` lists them")
     provider = _provider()
     spec = _spec(args, network=not args.no_network)
     if args.json:
@@ -229,7 +249,7 @@ def _human(n: int) -> str:
 def _add_create_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", help="a name for the sandbox (letters, digits, . _ -)")
     p.add_argument("--type", default="small", choices=["small", "medium", "large"], help="size class (default small)")
-    p.add_argument("--ttl", type=float, default=3600, help="seconds until it is deleted; 0 for never (default 3600)")
+    p.add_argument("--ttl", type=_seconds(zero_ok=True), default=3600, help="seconds until it is deleted; 0 for never (default 3600)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the bare id")
     p.add_argument("--no-network", action="store_true", help="no outbound network (default: outbound on, host loopback blocked)")
 
@@ -259,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("exec", help="run a shell command in a sandbox; exits with its exit code")
     p.add_argument("id")
     p.add_argument("command", nargs="+", help="the command, run under sh -c (quote it, or put -- before it)")
-    p.add_argument("--timeout", type=float, default=None, help="kill the command's process tree after this many seconds (exit 124)")
+    p.add_argument("--timeout", type=_seconds(zero_ok=False), default=None, help="kill the command's process tree after this many seconds (exit 124)")
     p.add_argument("--env", action="append", metavar="KEY=VALUE", help="set an environment variable (repeatable)")
     p.add_argument("--cwd", help="working directory (default the home, /home/user)")
     p.add_argument("-i", "--stdin", action="store_true", help="pass this command's standard input to the command")
@@ -329,6 +349,10 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML config file, e.g. configs/median.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. episodes=10")
     p.add_argument("--rebuild", action="store_true", help="rebuild the environment even if it is cached")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="finish an interrupted run: run only its episodes that have no row yet")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="with --resume: also run again the episodes whose row is an infrastructure failure")
     p.add_argument("--describe", action="store_true", help="print every config key with its default and meaning")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # SUPPRESS: do not clobber a --debug given to the main `harness` parser.

@@ -6,19 +6,26 @@ Layout of a run directory::
     <run_dir>/episodes/part-NNNNN.parquet   one row per episode
     <run_dir>/steps/part-NNNNN.parquet      one row per policy step (RLlib offline columns)
 
-Rows are buffered and flushed as a new part file every ``batch_rows`` episodes
-or ``flush_seconds``, whichever comes first, so a crash loses at most one batch.
+    <run_dir>/journal/part-NNNNN.jsonl      rows not yet in a part file (fsynced per episode)
+
+Each finished episode is appended to the journal and fsynced before it counts
+as done; rows are then written as a new part file every ``batch_rows`` episodes
+or ``flush_seconds``, whichever comes first. A crash loses no reported row:
+``recover`` (run by the writer and by ``harness run --resume``) turns journals
+into part files.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
@@ -27,6 +34,10 @@ from harness.episode import EpisodeResult
 #: RLlib's ids for a single-agent episode.
 AGENT_ID = "default_agent"
 MODULE_ID = "default_policy"
+#: Rows journalled but not yet in a part file (see DatasetWriter).
+JOURNAL_DIR = "journal"
+#: Episode ids being removed by drop_episodes; recover() finishes the job after a crash.
+DROP_INTENT = "dropping.json"
 
 EPISODE_SCHEMA = pa.schema([
     pa.field("run_id", pa.string(), False),
@@ -128,42 +139,158 @@ def _table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
 
 
 class DatasetWriter:
-    """Appends episodes; writes Parquet part files in batches as they finish."""
+    """Appends episodes: each row is journalled durably at once, then written to
+    Parquet part files in batches.
+
+    ``add`` returns only after the row is on disk (``journal/part-NNNNN.jsonl``,
+    fsynced), so an episode reported done survives a SIGKILL of the driver or a
+    power cut; ``recover`` turns journals left by a crash into part files. A part
+    file appears whole or not at all (written under a temporary name, renamed),
+    and its journal is removed only after.
+    """
 
     def __init__(self, run_dir: str | Path, *, batch_rows: int = 64, flush_seconds: float = 10.0):
         self.run_dir = Path(run_dir)
         self.batch_rows, self.flush_seconds = max(1, batch_rows), flush_seconds
-        (self.run_dir / "episodes").mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "steps").mkdir(parents=True, exist_ok=True)
+        for sub in ("episodes", "steps", JOURNAL_DIR):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        recover(self.run_dir)
         self.episodes: list[dict[str, Any]] = []
         self.steps: list[dict[str, Any]] = []
-        self.part = 0
+        self.part = next_part(self.run_dir)
         self.last_flush = time.monotonic()
         self.rows_written = 0
+        self._journal: Any = None
 
     def add(self, result: EpisodeResult, policy_label: str = "") -> None:
-        self.episodes.append(episode_row(result, policy_label))
-        self.steps.extend(step_rows(result))
+        self.add_row(episode_row(result, policy_label), step_rows(result))
+
+    def add_row(self, episode: dict[str, Any], steps: list[dict[str, Any]]) -> None:
+        """Journal one episode durably, then buffer it for the next part file."""
+        if self._journal is None:
+            self._journal = open(self._journal_path(self.part), "a", encoding="utf-8")  # noqa: SIM115
+        self._journal.write(json.dumps({"episode": episode, "steps": steps}) + "\n")
+        self._journal.flush()
+        os.fsync(self._journal.fileno())
+        self.episodes.append(episode)
+        self.steps.extend(steps)
         if len(self.episodes) >= self.batch_rows or time.monotonic() - self.last_flush >= self.flush_seconds:
             self.flush()
+
+    def _journal_path(self, part: int) -> Path:
+        return self.run_dir / JOURNAL_DIR / f"part-{part:05d}.jsonl"
 
     def flush(self) -> None:
         self.last_flush = time.monotonic()
         if not self.episodes:
             return
-        name = f"part-{self.part:05d}.parquet"
-        # Write to a temporary name and rename, so readers never see half a file.
-        for sub, rows, schema in (("steps", self.steps, STEP_SCHEMA), ("episodes", self.episodes, EPISODE_SCHEMA)):
-            path = self.run_dir / sub / name
-            tmp = path.with_suffix(".tmp")
-            pq.write_table(_table(rows, schema), tmp)
-            tmp.rename(path)
+        _write_part(self.run_dir, self.part, self.episodes, self.steps)
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+        self._journal_path(self.part).unlink(missing_ok=True)
         self.rows_written += len(self.episodes)
         self.part += 1
         self.episodes, self.steps = [], []
 
     def close(self) -> None:
         self.flush()
+
+
+def _write_part(run_dir: Path, part: int, episodes: list[dict[str, Any]], steps: list[dict[str, Any]]) -> None:
+    """Steps first, then episodes: an episodes part file on disk means its pair is complete.
+    Each is written under a temporary name and renamed, so readers never see half a file."""
+    name = f"part-{part:05d}.parquet"
+    for sub, rows, schema in (("steps", steps, STEP_SCHEMA), ("episodes", episodes, EPISODE_SCHEMA)):
+        path = run_dir / sub / name
+        tmp = path.with_suffix(".tmp")
+        pq.write_table(_table(rows, schema), tmp)
+        os.replace(tmp, path)
+
+
+def _part_index(path: Path) -> int:
+    return int(path.name.split("-", 1)[1].split(".", 1)[0])
+
+
+def next_part(run_dir: str | Path) -> int:
+    """The number of the next part file: one past every part and journal on disk."""
+    run_dir = Path(run_dir)
+    found = [_part_index(p) for sub in ("episodes", "steps") for p in (run_dir / sub).glob("part-*.parquet")]
+    found += [_part_index(p) for p in (run_dir / JOURNAL_DIR).glob("part-*.jsonl")]
+    return max(found, default=-1) + 1
+
+
+def _read_journal(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    episodes: list[dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                entry = json.loads(line)
+                episode, episode_steps = entry["episode"], entry["steps"]
+            except (ValueError, KeyError, TypeError):
+                break  # a line cut short by the crash: its episode was never reported done
+            episodes.append(episode)
+            steps.extend(episode_steps)
+    return episodes, steps
+
+
+def recover(run_dir: str | Path) -> int:
+    """Make a run directory whole after a crash; returns the episodes recovered.
+
+    Finishes an interrupted ``drop_episodes``, removes half-written temporary
+    files, and turns each journal whose part file was never written into that
+    part file. Idempotent: safe to call on a healthy run directory."""
+    run_dir = Path(run_dir)
+    pending = run_dir / DROP_INTENT
+    if pending.exists():
+        _drop(run_dir, set(json.loads(pending.read_text())))
+        pending.unlink()
+    for sub in ("episodes", "steps"):
+        for tmp in (run_dir / sub).glob("part-*.tmp"):
+            tmp.unlink()
+    recovered = 0
+    for journal in sorted((run_dir / JOURNAL_DIR).glob("part-*.jsonl")):
+        part = _part_index(journal)
+        if not (run_dir / "episodes" / f"part-{part:05d}.parquet").exists():
+            episodes, steps = _read_journal(journal)
+            if episodes:
+                _write_part(run_dir, part, episodes, steps)
+                recovered += len(episodes)
+        journal.unlink()
+    return recovered
+
+
+def episode_ids(run_dir: str | Path) -> list[int]:
+    """The episode ids that have a row (call ``recover`` first after a crash)."""
+    files = sorted((Path(run_dir) / "episodes").glob("part-*.parquet"))
+    return [i for f in files for i in pq.read_table(f, columns=["episode_id"]).column(0).to_pylist()]
+
+
+def _drop(run_dir: Path, ids: set[int]) -> None:
+    for sub in ("episodes", "steps"):
+        for path in sorted((run_dir / sub).glob("part-*.parquet")):
+            table = pq.read_table(path)
+            keep = pc.invert(pc.is_in(table.column("episode_id"), value_set=pa.array(sorted(ids), pa.int64())))
+            if pc.all(keep).as_py():  # nothing of these ids in this file
+                continue
+            tmp = path.with_suffix(".tmp")
+            pq.write_table(table.filter(keep), tmp)
+            os.replace(tmp, path)
+
+
+def drop_episodes(run_dir: str | Path, ids: set[int]) -> None:
+    """Remove these episodes' rows and steps (to run them again), all or nothing:
+    the intent is written first, so ``recover`` completes a drop cut short."""
+    run_dir = Path(run_dir)
+    if not ids:
+        return
+    intent = run_dir / DROP_INTENT
+    tmp = intent.with_suffix(".tmp")
+    tmp.write_text(json.dumps(sorted(ids)))
+    os.replace(tmp, intent)
+    _drop(run_dir, set(ids))
+    intent.unlink()
 
 
 def _load(run_dir: str | Path, sub: str, schema: pa.Schema) -> pa.Table:

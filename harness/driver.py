@@ -8,18 +8,21 @@ each finished episode is appended to the Parquet datasets at once.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
+import json
 import logging
-import re
 import secrets
+import signal
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
@@ -27,17 +30,24 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from harness import config as C
+from harness import rundir, runs
 from harness.actors import EpisodeWorker
-from harness.dataset import DatasetWriter, write_manifest
+from harness.dataset import DatasetWriter, drop_episodes, episode_row, load_episodes, recover, step_rows, write_manifest
+from harness.dispatch import Dispatcher, RetryPolicy
 from harness.env import EnvSpec, build_env
-from harness.episode import EpisodeRequest, EpisodeResult, failed_result
+from harness.episode import EpisodeRequest, EpisodeResult
 from harness.errors import ConfigError, HarnessError
 from harness.policy import describe as describe_policy
 from harness.policy import make_policy
+from harness.runs import reap_dead_runs, reap_on_nodes, reap_sandboxes
 from harness.sandbox import default_state_dir, open_provider
 
 #: Seconds to wait for the actors to start before reporting that Ray cannot place them.
 ACTOR_START_TIMEOUT_S = 120.0
+#: Config keys that say how a run is carried out, not what its episodes are (see _episode_data).
+RUN_MECHANICS = ("actors", "retries", "retry_backoff_s", "rebuild", "ray", "output.dir", "output.run_id",
+                 "output.batch_rows", "output.flush_seconds", "sandbox.backend", "sandbox.state_dir",
+                 "sandbox.options", "sandbox.hosts", "sandbox.store")
 
 
 @dataclass
@@ -54,14 +64,15 @@ class PointStats:
     start_s: list[float] = field(default_factory=list)
     grade_s: list[float] = field(default_factory=list)
 
-    def add(self, r: EpisodeResult) -> None:
+    def add(self, row: dict[str, Any]) -> None:
+        """Count one episode row (as written to the dataset)."""
         self.episodes += 1
-        if r.error_type is not None:
+        if row["error_type"] is not None:
             self.errors += 1
-        if r.reward is not None:
-            self.rewards.append(r.reward)
-            self.start_s.append(r.acquire_seconds)
-            self.grade_s.append(r.grade_seconds)
+        if row["reward"] is not None:
+            self.rewards.append(row["reward"])
+            self.start_s.append(row["acquire_seconds"])
+            self.grade_s.append(row["grade_seconds"])
 
     @property
     def mean_reward(self) -> float | None:
@@ -77,6 +88,7 @@ class RunSummary:
     points: list[PointStats]
     seconds: float
     interrupted: bool = False
+    episodes_total: int = 0
 
     @property
     def errors(self) -> int:
@@ -129,7 +141,7 @@ def _requests(cfg: DictConfig, run_id: str) -> tuple[list[EpisodeRequest], list[
             probe.close()
         resolved.append({"point_id": point_id, "point": point, "policy": policy_cfg, "method": data["method"]})
         stats.append(PointStats(point_id, point, data["method"], describe_policy(policy_cfg)))
-        chash = C.config_hash(data)
+        chash = C.config_hash(_episode_data(data))
         for _ in range(int(data["episodes"])):
             requests.append(EpisodeRequest(
                 run_id=run_id, episode_id=len(requests), method=data["method"], policy=policy_cfg,
@@ -173,95 +185,77 @@ def _provider_options(cfg: DictConfig, *, actors: bool = False) -> dict[str, Any
     return options
 
 
-def reap_sandboxes(backend: str, options: dict[str, Any], run_id: str, only: set[str] | None = None) -> list[str]:
-    """Delete this run's sandboxes still alive (episodes and fork sources, found by name):
-    the guard against leaks when an actor died or was killed before its own cleanup."""
-    pattern = re.compile(rf"^{re.escape(run_id)}-(ep\d+|a\d+-source)$")
-    deleted = []
-    with open_provider(backend, **options) as provider:
-        for info in provider.list():
-            if info.name and pattern.match(info.name) and (only is None or info.name in only):
-                try:
-                    provider.get(info.id).delete()
-                    deleted.append(info.name)
-                except HarnessError:
-                    pass  # already gone
-    return deleted
-
-
-def reap_on_nodes(backend: str, options: dict[str, Any], run_id: str, nodes: set[str],
-                  only: set[str] | None = None, timeout: float = 60.0) -> list[str]:
-    """``reap_sandboxes`` run on each Ray node in ``nodes``: for actors that keep their
-    sandboxes in their own node's state directory. A node that is gone is skipped
-    (its sandboxes' TTL is the last resort)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    if not nodes:
-        return []
-    task = ray.remote(num_cpus=0, max_retries=0)(reap_sandboxes)
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-            .remote(backend, options, run_id, only) for node in sorted(nodes)]
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    deleted: list[str] = []
-    for ref in done:
-        try:
-            deleted += ray.get(ref)
-        except (ray.exceptions.RayError, HarnessError):
-            pass
-    return deleted
-
-
-def _dispatch(actors: list[Any], new_actor: Callable[[int], Any], requests: list[EpisodeRequest],
-              finished: Callable[[EpisodeResult], None], reap: Callable[[set[str]], Any], retries: int = 0) -> None:
-    """Hand episodes out one at a time as actors free up (not in lockstep); an actor that
-    dies yields an error row for its episode and is replaced. An infrastructure failure
-    is retried up to ``retries`` times; only the last attempt becomes a row."""
-    import ray
-
-    queue = list(reversed(requests))
-    inflight: dict[Any, tuple[int, EpisodeRequest]] = {}
-
-    def submit(slot: int) -> None:
-        if queue:
-            req = queue.pop()
-            inflight[actors[slot].run.remote(req)] = (slot, req)
-
-    for slot in range(len(actors)):
-        submit(slot)
-    while inflight:
-        ready, _ = ray.wait(list(inflight), num_returns=1)
-        slot, req = inflight.pop(ready[0])
-        try:
-            result = ray.get(ready[0])
-        except ray.exceptions.RayError as exc:
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            result = failed_result(req, type(exc).__name__, message, "actor", actor=f"{req.run_id}-a{slot}")
-            ray.kill(actors[slot], no_restart=True)
-            reap({f"{req.run_id}-ep{req.episode_id}", f"{req.run_id}-a{slot}-source"})
-            actors[slot] = new_actor(slot)
-        if result.infra_error and req.attempt < retries:
-            queue.append(dataclasses.replace(req, attempt=req.attempt + 1))  # next out of the queue
+def _episode_data(data: dict[str, Any]) -> dict[str, Any]:
+    """A point's config without the keys that only say how the run is carried out
+    (actors, retries, Ray, where datasets go, which sandbox hosts): their hash is the
+    ``config_hash`` column, the same for a run and its resumes."""
+    data = json.loads(json.dumps(data, default=str))
+    for key in RUN_MECHANICS:
+        node, *rest = key.split(".")
+        if rest:
+            data.get(node, {}).pop(rest[0], None)
         else:
-            finished(result)
-        submit(slot)
+            data.pop(node, None)
+    return data
+
+
+def _resume_plan(run_dir: Path, requests: list[EpisodeRequest], retry_failed: bool,
+                 console: Console) -> tuple[list[EpisodeRequest], list[dict[str, Any]], int]:
+    """(requests still to run, rows already written, rows dropped to run again)."""
+    recovered = recover(run_dir)
+    if recovered:
+        console.print(f"[dim]recovered {recovered} journalled episodes into part files")
+    dropped = 0
+    if retry_failed:
+        failed = load_episodes(run_dir).filter(pc.field("infra_error")).column("episode_id").to_pylist()
+        drop_episodes(run_dir, set(failed))
+        dropped = len(failed)
+    rows = load_episodes(run_dir).select(["episode_id", "point_id", "error_type", "reward", "acquire_seconds",
+                                          "grade_seconds"]).to_pylist()
+    done = {r["episode_id"] for r in rows}
+    if len(done) != len(rows):
+        raise HarnessError(f"run directory {run_dir} has duplicate episode rows; it was written by two drivers at "
+                           "once or edited by hand")
+    return [r for r in requests if r.episode_id not in done], rows, dropped
 
 
 def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool = True,
-        on_result: Callable[[EpisodeResult], None] | None = None) -> RunSummary:
-    """Build once, run every episode of every sweep point on one actor pool, write datasets."""
+        on_result: Callable[[EpisodeResult], None] | None = None, resume: bool = False,
+        retry_failed: bool = False) -> RunSummary:
+    """Build once, run every episode of every sweep point on one actor pool, write datasets.
+
+    With ``resume``, the run directory of ``cfg.output.run_id`` must exist: only the
+    episodes without a row run (plus, with ``retry_failed``, those whose row is an
+    infrastructure failure), and the rows go to the same datasets."""
+    console = console or Console(stderr=True)
+    run_id = cfg.output.run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+    run_dir = Path(cfg.output.dir).expanduser().resolve() / run_id
+    if not resume and (run_dir / "manifest.yaml").exists():
+        raise ConfigError(f"run directory {run_dir} already exists; resume it with `harness run --resume "
+                          f"{run_dir}`, or choose another output.run_id")
+    with rundir.locked(run_dir):
+        try:
+            return _run_locked(cfg, run_id, run_dir, console, show_progress, on_result, resume, retry_failed)
+        finally:
+            if not (run_dir / "manifest.yaml").exists():  # failed before it started: leave nothing of ours
+                (run_dir / ".lock").unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    run_dir.rmdir()  # only if empty: never remove what someone else put there
+
+
+def _run_locked(cfg: DictConfig, run_id: str, run_dir: Path, console: Console, show_progress: bool,
+                on_result: Callable[[EpisodeResult], None] | None, resume: bool, retry_failed: bool) -> RunSummary:
     import ray
 
-    console = console or Console(stderr=True)
     t_run = time.monotonic()
-    run_id = cfg.output.run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-    requests, stats, resolved = _requests(cfg, run_id)
-    run_dir = Path(cfg.output.dir).expanduser().resolve() / run_id
-    if (run_dir / "episodes").exists() and any((run_dir / "episodes").iterdir()):
-        raise ConfigError(f"run directory {run_dir} already has episodes; choose another output.run_id")
-
+    all_requests, stats, resolved = _requests(cfg, run_id)
+    fingerprint = rundir.episodes_fingerprint(all_requests)
     options = _provider_options(cfg)
     actor_options = _provider_options(cfg, actors=True)
+    if cfg.sandbox.backend == "local":
+        for dead, names in reap_dead_runs(options["state_dir"]).items():
+            if names:
+                console.print(f"[yellow]deleted {len(names)} sandboxes left by the crashed run {escape(dead)}")
     # With sandbox.hosts, each server is a provider of its own: it builds the
     # environment (cached by content hash) and serves the actors given to it.
     host_options = [{**options, "url": url} for url in cfg.sandbox.hosts] or [options]
@@ -269,10 +263,10 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
     node_local = cfg.sandbox.backend == "local" and "state_dir" not in actor_options
     env_data = OmegaConf.to_container(cfg.env, resolve=True)
     env_spec = EnvSpec.from_dict({**env_data, "type": cfg.sandbox.type})  # type: ignore[dict-item]
-    n_actors = min(int(cfg.actors), len(requests))
     owns_ray = _init_ray(cfg)
     try:
         cpus = ray.cluster_resources().get("CPU", 0.0)
+        n_actors = min(int(cfg.actors), len(all_requests))
         if n_actors * cfg.ray.actor_cpus > cpus:
             raise ConfigError(f"actors={n_actors} x ray.actor_cpus={cfg.ray.actor_cpus} need more CPUs than Ray "
                               f"has ({cpus:g}); lower actors or ray.actor_cpus")
@@ -281,6 +275,10 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
         if n_nodes > 1 and cfg.sandbox.backend == "local" and not cfg.sandbox.store:
             console.print(f"[yellow]Ray has {n_nodes} nodes but sandbox.store is not set: actors on other nodes "
                           "find the snapshot only if the state directory is shared; set sandbox.store=URI")
+        if resume:
+            # The leftovers of the interrupted driver, wherever they are (local or on the hosts).
+            for opts in host_options:
+                reap_sandboxes(cfg.sandbox.backend, opts, run_id)
         for opts in reversed(host_options):  # the first host's build is the one recorded
             with open_provider(cfg.sandbox.backend, **opts) as provider:
                 built = build_env(provider, env_spec, rebuild=bool(cfg.rebuild),
@@ -291,29 +289,39 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
                     provider.push_snapshot(built.snapshot, options["snapshot_store"])  # type: ignore[attr-defined]
                 console.print(f"[dim]env {escape(env_spec.name)}: snapshot {built.snapshot} in the store "
                               f"{escape(options['snapshot_store'])} ({time.monotonic() - t_push:.1f}s)")
+        if resume:
+            manifest = rundir.check_resumable(run_dir, fingerprint, built.content_hash)
+            requests, rows, dropped = _resume_plan(run_dir, all_requests, retry_failed, console)
+            manifest.setdefault("resumes", []).append({
+                "at": _now(), "episodes_to_run": len(requests), "rows_dropped_to_retry": dropped})
+            console.print(f"[dim]resuming run {run_id}: {len(rows)} episodes have rows, {len(requests)} to run")
+        else:
+            requests, rows = all_requests, []
+            manifest = {
+                "run_id": run_id, "status": "running", "started_at": _now(),
+                # resolved: interpolations filled with the base values; each point's own resolved
+                # policy is under points, and the config as written (with ${...}) in config.yaml.
+                "config": rundir.redact(OmegaConf.to_container(cfg, resolve=True)),
+                "points": resolved, "episodes_total": len(all_requests), "episodes_fingerprint": fingerprint,
+                "env": {"snapshot": built.snapshot, "content_hash": built.content_hash, "cached": built.cached,
+                        "build_seconds": built.build_seconds, "baseline": dict(built.baseline)},
+                "versions": _versions(),
+            }
+            rundir.write_config(run_dir, cfg)
+        manifest["status"] = "running"
+        write_manifest(run_dir, manifest)  # from here on the run is resumable
     except BaseException:
         if owns_ray:
             ray.shutdown()
         raise
-
-    manifest: dict[str, Any] = {
-        "run_id": run_id, "status": "running", "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        # resolved: interpolations filled with the base values; each point's own resolved
-        # policy is under points, and the config as written (with ${...}) under config_source.
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "config_source": OmegaConf.to_container(cfg, resolve=False),
-        "points": resolved, "episodes_total": len(requests),
-        "env": {"snapshot": built.snapshot, "content_hash": built.content_hash, "cached": built.cached,
-                "build_seconds": built.build_seconds, "baseline": dict(built.baseline)},
-        "versions": _versions(),
-    }
-    write_manifest(run_dir, manifest)
+    for row in rows:
+        stats[row["point_id"]].add(row)
     writer = DatasetWriter(run_dir, batch_rows=cfg.output.batch_rows, flush_seconds=cfg.output.flush_seconds)
+    lease = runs.lease(options["state_dir"], run_id, run_dir) if cfg.sandbox.backend == "local" else nullcontext()
 
     # max_concurrency=2 lets close() run while an episode is in flight (Ctrl-C cleanup).
     Worker = ray.remote(num_cpus=cfg.ray.actor_cpus, max_concurrency=2)(EpisodeWorker)
     grade = dict(env_data["grade"])  # type: ignore[index]
-
     if spread:
         Worker = Worker.options(scheduling_strategy="SPREAD")
     node_refs: list[Any] = []  # each actor's Ray node, where its leftovers are reaped (node_local)
@@ -339,64 +347,91 @@ def run(cfg: DictConfig, *, console: Console | None = None, show_progress: bool 
             deleted += reap_on_nodes(cfg.sandbox.backend, actor_options, run_id, nodes - {None}, only)
         return deleted
 
-    actors = [new_actor(i) for i in range(n_actors)]
-    status, counts = "failed", {"done": 0, "failures": 0}
+    actors: list[Any] = []
+    status, counts = "failed", {"done": len(rows), "failures": sum(r["error_type"] is not None for r in rows)}
+    rewards = [r["reward"] for r in rows if r["reward"] is not None]
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("failures {task.fields[failures]}  mean reward {task.fields[mean]}"),
                         TimeElapsedColumn(), console=console, disable=not show_progress)
     try:
-        try:
-            ray.get([a.ready.remote() for a in actors], timeout=ACTOR_START_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError as exc:
-            raise HarnessError(f"Ray could not start {n_actors} actors in {ACTOR_START_TIMEOUT_S:.0f}s; "
-                               "lower actors or ray.actor_cpus, or add nodes") from exc
-        with progress:
-            task = progress.add_task(f"run {run_id}", total=len(requests), failures=0, mean="-")
-            rewards: list[float] = []
-
-            def finished(result: EpisodeResult) -> None:
-                writer.add(result, stats[result.request.point_id].policy)
-                stats[result.request.point_id].add(result)
-                counts["done"] += 1
-                counts["failures"] += result.error_type is not None
-                if result.reward is not None:
-                    rewards.append(result.reward)
-                progress.update(task, advance=1, failures=counts["failures"],
-                                mean=f"{statistics.fmean(rewards):.3f}" if rewards else "-")
-                if on_result:
-                    on_result(result)
-
-            _dispatch(actors, new_actor, requests, finished, reap, int(cfg.retries))
-        status = "finished"
-    except KeyboardInterrupt:
-        status = "interrupted"
-        console.print("[yellow]interrupted: deleting sandboxes and writing what finished")
-    finally:
-        closing = [a.close.remote() for a in actors]
-        try:
-            ray.wait(closing, num_returns=len(closing), timeout=30)
-        finally:
-            for a in actors:
-                ray.kill(a, no_restart=True)
+        with lease:
             try:
-                leaked = reap()
-                if leaked:
-                    console.print(f"[yellow]deleted {len(leaked)} sandboxes left by actors: {', '.join(leaked)}")
-            except HarnessError as exc:
-                console.print(f"[yellow]could not check for leftover sandboxes: {escape(str(exc))}")
-            writer.close()
-            manifest.update(
-                status=status, episodes_done=counts["done"], episodes_failed=counts["failures"],
-                seconds=round(time.monotonic() - t_run, 3),
-                finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                results=[{"point": p.point, "method": p.method, "episodes": p.episodes, "errors": p.errors,
-                          "mean_reward": p.mean_reward} for p in stats],
-            )
-            write_manifest(run_dir, manifest)
-            if owns_ray:
-                ray.shutdown()
+                actors = [new_actor(i) for i in range(min(n_actors, len(requests)))]
+                try:
+                    ray.get([a.ready.remote() for a in actors], timeout=ACTOR_START_TIMEOUT_S)
+                except ray.exceptions.GetTimeoutError as exc:
+                    raise HarnessError(f"Ray could not start {n_actors} actors in {ACTOR_START_TIMEOUT_S:.0f}s; "
+                                       "lower actors or ray.actor_cpus, or add nodes") from exc
+                with progress:
+                    task = progress.add_task(f"run {run_id}", total=len(all_requests), completed=counts["done"],
+                                             failures=counts["failures"], mean=_mean(rewards))
+
+                    def finished(result: EpisodeResult) -> None:
+                        row = episode_row(result, stats[result.request.point_id].policy)
+                        writer.add_row(row, step_rows(result))  # durable before it counts as done
+                        stats[result.request.point_id].add(row)
+                        counts["done"] += 1
+                        counts["failures"] += result.error_type is not None
+                        if result.reward is not None:
+                            rewards.append(result.reward)
+                        progress.update(task, advance=1, failures=counts["failures"], mean=_mean(rewards))
+                        if on_result:
+                            on_result(result)
+
+                    retry = RetryPolicy(int(cfg.retries), float(cfg.retry_backoff_s))
+                    Dispatcher(actors, new_actor, finished, reap, retry).run(requests)
+                status = "finished"
+            except KeyboardInterrupt:
+                status = "interrupted"
+                console.print("[yellow]interrupted: cancelling running episodes, deleting their sandboxes")
+            finally:
+                _stop_actors(actors)
+                try:
+                    leaked = reap()
+                    if leaked:
+                        console.print(f"[yellow]deleted {len(leaked)} sandboxes left by actors: {', '.join(leaked)}")
+                except HarnessError as exc:
+                    console.print(f"[yellow]could not check for leftover sandboxes: {escape(str(exc))}")
+    finally:
+        writer.close()
+        manifest.update(
+            status=status, episodes_done=counts["done"], episodes_failed=counts["failures"],
+            seconds=round(manifest.get("seconds", 0.0) + time.monotonic() - t_run, 3), finished_at=_now(),
+            results=[{"point": p.point, "method": p.method, "episodes": p.episodes, "errors": p.errors,
+                      "mean_reward": p.mean_reward} for p in stats],
+        )
+        write_manifest(run_dir, manifest)
+        if owns_ray:
+            ray.shutdown()
+    if status == "interrupted":
+        console.print(f"[yellow]{counts['done']} of {len(all_requests)} episodes have rows; finish the run with: "
+                      f"harness run --resume {run_dir}", highlight=False, soft_wrap=True)
     return RunSummary(run_id, run_dir, built.snapshot, dict(built.baseline), stats,
-                      time.monotonic() - t_run, status == "interrupted")
+                      time.monotonic() - t_run, status == "interrupted", len(all_requests))
+
+
+def _stop_actors(actors: list[Any]) -> None:
+    """Let each actor delete its sandboxes (close), then end it."""
+    import ray
+
+    closing = [a.close.remote() for a in actors]
+    try:
+        ray.wait(closing, num_returns=len(closing), timeout=30)
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _mean(xs: list[float]) -> str:
+    return f"{statistics.fmean(xs):.3f}" if xs else "-"
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _describe(out: Console) -> None:
@@ -416,13 +451,26 @@ def run_command(args: argparse.Namespace) -> int:
         if getattr(args, "describe", False):
             _describe(out)
             return 0
-        if not args.config:
-            raise ConfigError("no config given; run `harness run CONFIG [key=value ...]`, e.g. configs/median.yaml")
         overrides = list(args.overrides or [])
+        resume = getattr(args, "resume", None)
+        if resume and args.config:  # `run --resume DIR k=v`: the first override lands in config
+            if "=" not in args.config:
+                raise ConfigError("--resume takes the run directory instead of a config; drop the config argument")
+            overrides.insert(0, args.config)
+        elif not args.config and not resume:
+            raise ConfigError("no config given; run `harness run CONFIG [key=value ...]`, e.g. configs/median.yaml")
+        if getattr(args, "retry_failed", False) and not resume:
+            raise ConfigError("--retry-failed goes with --resume RUN_DIR")
         if getattr(args, "rebuild", False):
             overrides.append("rebuild=true")
-        cfg = C.load_config(args.config, overrides)
-        summary = run(cfg, console=err, show_progress=not getattr(args, "no_progress", False))
+        cfg = rundir.resume_config(resume, overrides) if resume else C.load_config(args.config, overrides)
+        # SIGTERM (a scheduler stopping the job, `kill`) stops the run as cleanly as Ctrl-C.
+        signal.signal(signal.SIGTERM, _interrupt)
+        summary = run(cfg, console=err, show_progress=not getattr(args, "no_progress", False),
+                      resume=bool(resume), retry_failed=bool(getattr(args, "retry_failed", False)))
+    except KeyboardInterrupt:
+        err.print("[yellow]harness run: interrupted before the run started; nothing to resume", highlight=False)
+        return 130
     except HarnessError as exc:
         if debug:
             raise

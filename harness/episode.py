@@ -17,15 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.env import ENV_DIR, GradeSpec, parse_grade
-from harness.errors import CleanStartError, GradeError, PolicyError, SandboxError
+from harness.errors import CleanStartError, GradeError, PolicyError
+from harness.failures import INFRA_PHASES, is_infrastructure
 from harness.policy import Observation, is_done, make_policy
 from harness.sandbox.base import Sandbox, SandboxSpec
 
 METHODS = ("new_from", "fork")
 #: Exit status of the clean-start check's prefix when the grader's result already exists.
 UNCLEAN_EXIT = 97
-#: Phases whose failures are the infrastructure's, not the policy's or the grader's: retryable.
-INFRA_PHASES = ("acquire", "actor")
 
 
 @dataclass(frozen=True)
@@ -214,8 +213,7 @@ def run_episode(
             timings["grade"] = time.monotonic() - t0
     except Exception as exc:  # recorded, never raised: one row per episode
         error = (type(exc).__name__, _one_line(exc), phase)
-        # The sandbox layer failing (not the policy, not the grader) is worth a retry.
-        infra = isinstance(exc, SandboxError) or phase in INFRA_PHASES
+        infra = is_infrastructure(exc, phase)  # see harness.failures
     finally:
         if sandbox is not None:
             try:

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from harness_fixtures import (
     MEDIAN_CONFIG,
     ROOT,
@@ -111,7 +113,8 @@ def test_median_sweep_datasets_and_no_leaks(tmp_path: Path, ray_local) -> None: 
     assert manifest["status"] == "finished" and manifest["episodes_done"] == 18
     assert manifest["env"]["baseline"]["reward"] == 0.5 and manifest["env"]["snapshot"] == summary.snapshot
     assert manifest["versions"]["ray"] and len(manifest["points"]) == 6
-    assert manifest["config_source"]["policy"]["command"] == "cp policies/${policy.id}.py task/stats.py"
+    source = yaml.safe_load((run_dir / "config.yaml").read_text())  # as given, for --resume
+    assert source["policy"]["command"] == "cp policies/${policy.id}.py task/stats.py"
     assert manifest["config"]["episodes"] == 3 and manifest["config"]["env"]["dir"].endswith("envs/median")
     assert [p["policy"]["command"] for p in manifest["points"]][::2] == [
         f"cp policies/{i}.py task/stats.py" for i in (0, 1, 2)]

@@ -1,7 +1,9 @@
 """Running one command in a jail: spawn, stream, time out, collect.
 
 The command's processes live in a fresh cgroup leaf of the sandbox, so a
-timeout can kill exactly them, daemons that left the session included.
+timeout can kill exactly them, daemons that left the session included. They are
+spawned by a host thread that carries the sandbox's seccomp filter (see
+``_jail.confine_thread``), so every one of them inherits it.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from harness.errors import SandboxError
+from harness.errors import HarnessError, SandboxError
 from harness.sandbox import _jail
 from harness.sandbox._cgroup import SandboxCgroup
 from harness.sandbox.base import TIMEOUT_EXIT_CODE, ExecResult, OutputCallback
@@ -22,6 +25,31 @@ from harness.sandbox.base import TIMEOUT_EXIT_CODE, ExecResult, OutputCallback
 #: After a command exits, how long to keep reading output that its background
 #: children may still hold open before giving up on them.
 _DRAIN_GRACE_S = 0.05
+
+
+#: Threads that spawn commands: each carries the seccomp filter, the rest of the
+#: process does not. A spawn takes a millisecond or so, so a few serve many callers.
+_SPAWNERS = 4
+_spawner: tuple[int, ThreadPoolExecutor] | None = None
+_spawner_lock = threading.Lock()
+_confined = threading.local()
+
+
+def _spawn(argv: list[str], **popen_kwargs) -> Future[subprocess.Popen]:
+    """``subprocess.Popen`` on a confined spawner thread (the child inherits its filter)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():  # none yet, or a forked copy of this process
+            _spawner = (os.getpid(), ThreadPoolExecutor(_SPAWNERS, "sandbox-spawn"))
+        pool = _spawner[1]
+    return pool.submit(_confined_popen, argv, popen_kwargs)
+
+
+def _confined_popen(argv: list[str], popen_kwargs: dict) -> subprocess.Popen:
+    if not getattr(_confined, "done", False):
+        _jail.confine_thread()  # raises, and spawns nothing, if the filter cannot be installed
+        _confined.done = True
+    return subprocess.Popen(argv, **popen_kwargs)
 
 
 def run_in_jail(
@@ -38,17 +66,31 @@ def run_in_jail(
 ) -> ExecResult:
     leaf = "x" + secrets.token_hex(6)
     started = time.monotonic()
+    spawned = _spawn(
+        _jail.enter_argv(init_pid, command, cwd, cg.leaf_procs(leaf)),
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(env),
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.Popen(
-            _jail.enter_argv(init_pid, command, cwd, cg.leaf_procs(leaf)),
-            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=dict(env),
-            start_new_session=True,
-        )
+        proc = spawned.result()
     except OSError as exc:
+        cg.remove_leaf(leaf)
         raise SandboxError(f"could not run a command in the jail of pid {init_pid}: {exc}") from exc
+    except BaseException:
+        # Interrupted (e.g. Ctrl-C) while the spawner worked: the command must not
+        # then run unattended, so it dies with us as below.
+        try:
+            late = spawned.result(timeout=10)
+        except (OSError, HarnessError, TimeoutError):  # it never started: nothing to stop
+            late = None
+        if late is not None:
+            cg.kill(leaf, spare=late.pid)
+            late.wait()
+        cg.remove_leaf(leaf)
+        raise
     try:
         out, err, timed_out, truncated = _collect(proc, stdin, timeout, on_output, max_output_bytes, lambda: cg.kill(leaf, spare=proc.pid))
     finally:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -11,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.errors import SandboxFileError
+from harness.errors import SandboxFileError, SandboxNotFound
 from harness.sandbox import _jail
 from harness.sandbox._exec import run_in_jail
 from harness.sandbox._record import SandboxRecord
@@ -59,7 +61,7 @@ class LocalSandbox(Sandbox):
     ) -> ExecResult:
         meta = self.provider._live(self.id)
         full_env = {**_BASE_ENV, "HOSTNAME": self.id, **meta.env, **(env or {})}
-        return run_in_jail(
+        result = run_in_jail(
             meta.init_pid or 0,
             self.provider.cgroup(self.id),
             command,
@@ -70,6 +72,15 @@ class LocalSandbox(Sandbox):
             on_output=on_output,
             max_output_bytes=max_output_bytes,
         )
+        if result.exit_code >= 128 and not result.timed_out and _jail_ended(meta, result.exit_code):
+            # Killed with its whole jail (from outside: an admin, the OOM killer),
+            # not by its own doing: the sandbox is gone, say so rather than
+            # hand back a plain "killed" exit code.
+            self.provider._destroy(self.id)
+            raise SandboxNotFound(
+                f"sandbox {self.id} stopped while running a command (its processes were killed) and was removed"
+            )
+        return result
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         q = shlex.quote(path)
@@ -86,26 +97,43 @@ class LocalSandbox(Sandbox):
 
     def snapshot(self, name: str) -> SnapshotInfo:
         check_name(name)
-        store = self.provider.snapshot_store
+        provider = self.provider
+        store = provider.snapshot_store
         store.check_free(name)
-        with self.provider._locked(self.id):
-            meta = self.provider._live(self.id)
-            tmp = self.provider.layers.new_tmp()
-            with self._frozen():
-                copy_tree(self.provider.upper_dir(meta), tmp)
-        chain = [self._persist(layer) for layer in meta.layers]
-        if top := self.provider.layers.add(tmp):
+        doing = f"snapshot {name!r} of {self.id}"
+        with provider._locked(self.id):
+            meta = provider._live(self.id)
+            tmp = provider.layers.new_tmp(doing)
+            try:
+                with self._frozen():
+                    copy_tree(provider.upper_dir(meta), tmp, doing=doing, where=provider.layers.root)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)  # no half-written layer stays behind
+                raise
+        try:
+            chain = [self._persist(layer, doing) for layer in meta.layers]
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        # add() consumes tmp, failed or not. Layers already stored whole are left
+        # for gc: another snapshot may be sharing them by now.
+        if top := provider.layers.add(tmp, doing):
             chain.append(top)
         chain = [x for x in chain if x != LayerStore.EMPTY] or [LayerStore.EMPTY]
         return store.put(name, chain, source=self.id, type_=meta.type, parent=meta.from_snapshot)
 
-    def _persist(self, layer: str) -> str:
+    def _persist(self, layer: str, doing: str) -> str:
         """An on-disk layer with the content of ``layer`` (itself if it is on disk)."""
         if not layer.startswith("eph/"):
             return layer
-        tmp = self.provider.layers.new_tmp()
-        copy_tree(self.provider.layer_path(layer), tmp)
-        return self.provider.layers.add(tmp) or LayerStore.EMPTY
+        layers = self.provider.layers
+        tmp = layers.new_tmp(doing)
+        try:
+            copy_tree(self.provider.layer_path(layer), tmp, doing=doing, where=layers.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return layers.add(tmp, doing) or LayerStore.EMPTY
 
     def fork(self, spec: SandboxSpec | None = None) -> LocalSandbox:
         provider = self.provider
@@ -139,12 +167,27 @@ class LocalSandbox(Sandbox):
         if not any(upper.iterdir()):
             return meta  # nothing changed since the last fork: reuse the layers
         layer = f"eph/{uuid.uuid4().hex}"
-        os.rename(upper, provider.layer_path(layer))
         promoted = replace(meta, layers=(*meta.layers, layer), generation=meta.generation + 1)
         new_upper, new_work = provider._new_rw(promoted)
+        record = provider._dir(self.id) / "meta.json"
+        # The record first: it is the step that can fail (a full disk), and until
+        # the rename below nothing the source uses has changed.
+        try:
+            promoted.save(record)
+        except BaseException:
+            shutil.rmtree(new_upper, ignore_errors=True)
+            shutil.rmtree(new_work, ignore_errors=True)
+            raise
+        os.rename(upper, provider.layer_path(layer))
         lowers = [provider.layer_path(x) for x in reversed(promoted.layers)]
-        _jail.restack(meta.init_pid or 0, lowers, new_upper, new_work)
-        promoted.save(provider._dir(self.id) / "meta.json")
+        try:
+            _jail.restack(meta.init_pid or 0, lowers, new_upper, new_work)
+        except BaseException:
+            # The jail still writes to its old upper dir (a mount keeps it whatever
+            # its path): put it back where the old record says it is.
+            os.rename(provider.layer_path(layer), upper)
+            meta.save(record)
+            raise
         return promoted
 
     @contextmanager
@@ -181,6 +224,32 @@ class LocalSandbox(Sandbox):
     @property
     def upper_dir(self) -> Path:
         return self.provider.upper_dir(self.provider._load(self.id))
+
+
+_PF_EXITING = 0x4  # /proc/PID/stat flags: the task has begun to exit
+
+
+def _jail_dying(meta: SandboxRecord) -> bool:
+    """The jail's init is gone, or exiting: when the kernel kills a PID namespace
+    because its init was killed, the other processes (the command) die before
+    the init itself is gone, but after it has been marked as exiting."""
+    try:
+        fields = Path(f"/proc/{meta.init_pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return True
+    return fields[0] in ("Z", "X") or int(fields[19]) != meta.init_start or bool(int(fields[6]) & _PF_EXITING)
+
+
+def _jail_ended(meta: SandboxRecord, exit_code: int) -> bool:
+    """Did a command that died of a signal die because its whole jail was killed?"""
+    if _jail_dying(meta):
+        return True
+    if exit_code != 137:
+        return False
+    # SIGKILLs sent to each of the sandbox's processes (a kill of its cgroup)
+    # may reach the command a moment before the init: look once more.
+    time.sleep(0.02)
+    return _jail_dying(meta)
 
 
 def _first_line(result: ExecResult) -> str:

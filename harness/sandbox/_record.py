@@ -10,7 +10,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from harness.errors import SandboxNotFound
 from harness.sandbox import _jail
+from harness.sandbox._store import storage_error
 
 ID_RE = re.compile(r"^sb_[a-z0-9]{10}$")
 
@@ -50,8 +52,14 @@ class SandboxRecord:
 
     def save(self, path: Path) -> None:
         tmp = path.with_name(f".meta-{secrets.token_hex(4)}")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(asdict(self)))
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if isinstance(exc, FileNotFoundError):
+                raise SandboxNotFound(f"sandbox {self.id} was deleted meanwhile") from None
+            raise storage_error(exc, f"saving the record of sandbox {self.id}", path.parent.parent) from exc
 
     def expired(self, now: float | None = None) -> bool:
         return self.expires_at is not None and (now or time.time()) >= self.expires_at

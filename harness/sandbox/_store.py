@@ -10,6 +10,7 @@ one layer, since each layer adds a path to the overlay mount options.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -37,9 +38,29 @@ def check_name(name: str, what: str = "snapshot") -> str:
     return name
 
 
-def copy_tree(src: Path, dst: Path) -> None:
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TEXTS = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
+def storage_error(
+    exc: OSError | str, doing: str, where: Path, cls: type[SandboxError] = SandboxError
+) -> SandboxError:
+    """One line for a failed write of the backend's own state: a full disk says so
+    and what to do; anything else names the path and the system's reason."""
+    reason = exc if isinstance(exc, str) else (exc.strerror or str(exc))
+    full = reason in _FULL_TEXTS or (isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS)
+    if full:
+        return cls(
+            f"{doing} failed: the disk holding {where} is full ({reason}); free space there "
+            "(delete snapshots you no longer need, then run `harness sandbox gc`) and retry"
+        )
+    return cls(f"{doing} failed: {where}: {reason}")
+
+
+def copy_tree(src: Path, dst: Path, *, doing: str | None = None, where: Path | None = None) -> None:
     """Copy a directory's contents with owners, modes, xattrs and whiteouts kept;
-    reflinks where the filesystem has them (xfs, btrfs), so a copy can be O(1)."""
+    reflinks where the filesystem has them (xfs, btrfs), so a copy can be O(1).
+    ``doing`` and ``where`` word the error (default: copying ``src`` to ``dst``)."""
     dst.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         ["cp", "-a", "--reflink=auto", f"{src}/.", f"{dst}/"],
@@ -47,7 +68,9 @@ def copy_tree(src: Path, dst: Path) -> None:
         text=True,
     )
     if proc.returncode != 0:
-        raise SandboxError(f"copying {src} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        lines = proc.stderr.strip().splitlines() or [f"cp exited {proc.returncode}"]
+        full = next((t for t in _FULL_TEXTS if any(t in line for line in lines)), None)
+        raise storage_error(full or lines[-1], doing or f"copying {src}", where or dst)
 
 
 def tree_digest(root: Path) -> tuple[str, int]:
@@ -103,30 +126,49 @@ class LayerStore:
         except (OSError, ValueError, KeyError):
             return 0
 
-    def new_tmp(self) -> Path:
+    def new_tmp(self, doing: str = "making a layer") -> Path:
         tmp = self.root / f".tmp-{uuid.uuid4().hex}"
-        tmp.mkdir()
+        try:
+            tmp.mkdir()
+        except OSError as exc:
+            raise storage_error(exc, doing, self.root) from exc
         return tmp
 
-    def add(self, tmp: Path) -> str | None:
-        """Turn a filled temporary dir into a layer; None if it holds nothing."""
-        if not any(tmp.iterdir()):
+    def add(self, tmp: Path, doing: str = "storing a layer") -> str | None:
+        """Turn a filled temporary dir into a layer; None if it holds nothing.
+        ``tmp`` is consumed: on failure too, nothing half-written stays behind."""
+        try:
+            if not any(tmp.iterdir()):
+                return None
+            digest, size = tree_digest(tmp)
+            final = self.root / digest
+            if final.exists():
+                return digest
+            meta = self.root / f"{digest}.json"
+            meta_tmp = self.root / f".tmp-{uuid.uuid4().hex}.json"
+            try:
+                meta_tmp.write_text(json.dumps({"size_bytes": size}))
+                os.replace(meta_tmp, meta)
+                os.replace(tmp, final)
+            except OSError as exc:
+                meta_tmp.unlink(missing_ok=True)
+                if final.is_dir():
+                    return digest  # the same content was stored by someone else meanwhile
+                meta.unlink(missing_ok=True)
+                raise storage_error(exc, doing, self.root) from exc
+            return digest
+        finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            return None
-        digest, size = tree_digest(tmp)
-        final = self.root / digest
-        if final.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            (self.root / f"{digest}.json").write_text(json.dumps({"size_bytes": size}))
-            os.replace(tmp, final)
-        return digest
 
     def squash(self, chain: list[str]) -> str:
         """Merge a chain (bottom first) into one layer by copying its merged view."""
         tmp = self.new_tmp()
         if len(chain) == 1:
-            copy_tree(self.path(chain[0]), tmp)
+            try:
+                copy_tree(self.path(chain[0]), tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         else:
             lower = ":".join(str(self.path(layer)) for layer in reversed(chain))
             mnt = self.root / f".mnt-{uuid.uuid4().hex}"
@@ -140,7 +182,9 @@ class LayerStore:
             mnt.rmdir()
             if proc.returncode != 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise SandboxError(f"squashing {len(chain)} layers failed: {proc.stderr.strip()}")
+                lines = proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"]
+                full = next((t for t in _FULL_TEXTS if any(t in line for line in lines)), None)
+                raise storage_error(full or lines[-1], f"squashing {len(chain)} layers", self.root)
         return self.add(tmp) or self.EMPTY
 
     def all(self) -> list[str]:
@@ -214,8 +258,8 @@ class SnapshotStore:
             parent=parent,
         )
         tmp = path.with_suffix(f".tmp-{uuid.uuid4().hex}")
-        tmp.write_text(json.dumps(info.to_dict()))
         try:
+            tmp.write_text(json.dumps(info.to_dict()))
             # link() fails if the name exists: two snapshots racing for one name
             # cannot both win, and an existing snapshot is never overwritten.
             os.link(tmp, path)
@@ -223,6 +267,8 @@ class SnapshotStore:
             raise SnapshotExists(
                 f"a snapshot named {name!r} exists; pick another name or delete it first"
             ) from None
+        except OSError as exc:
+            raise storage_error(exc, f"saving snapshot {name!r}", self.root) from exc
         finally:
             tmp.unlink(missing_ok=True)
         return info

@@ -28,6 +28,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,8 +36,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.errors import (
+    ConfigError,
     SandboxError,
     SandboxNotFound,
+    SandboxStartError,
     SandboxUnavailable,
     SnapshotNotFound,
 )
@@ -45,7 +48,7 @@ from harness.sandbox._cgroup import Layout, SandboxCgroup
 from harness.sandbox._local_sandbox import LocalSandbox
 from harness.sandbox._pool import POOL_CLAIM_MAX_TTL_S, POOL_TTL_S, WarmPool
 from harness.sandbox._record import ID_RE, SandboxRecord, new_id
-from harness.sandbox._store import LayerStore, SnapshotStore, check_name
+from harness.sandbox._store import LayerStore, SnapshotStore, check_name, storage_error
 from harness.sandbox.base import (
     SANDBOX_TYPES,
     GcReport,
@@ -59,6 +62,35 @@ from harness.sandbox.base import (
 DEADLINE_GRACE_S = 60.0
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"{name}={raw!r} is not a positive whole number")
+    return value
+
+
+#: Live sandboxes (warm pooled jails included) one state directory may hold;
+#: ``LocalProvider(max_sandboxes=...)`` or ``HARNESS_MAX_SANDBOXES`` change it. An
+#: idle jail costs little (4 processes, under 1 MiB), but each may use up to its
+#: type's limits: the cap is there so that a runaway caller gets a clear error
+#: instead of exhausting the machine's processes and memory.
+DEFAULT_MAX_SANDBOXES = 1024
+#: Jails starting at once in one process (``HARNESS_MAX_STARTS``); more wait for
+#: a turn. Starting is kernel work (namespaces, mounts) that more parallelism
+#: than the machine has cores only slows down, and hundreds of simultaneous
+#: starts would otherwise contend for the same locks until some time out.
+MAX_STARTS = _env_int("HARNESS_MAX_STARTS", 2 * (os.cpu_count() or 1))
+#: How long a start waits for its turn before it fails with SandboxStartError.
+START_WAIT_S = 120.0
+_start_slots = threading.BoundedSemaphore(MAX_STARTS)
+
+
 class LocalProvider(Provider):
     """Sandboxes on this machine under ``state_dir`` (default: see ``default_state_dir``)."""
 
@@ -70,13 +102,22 @@ class LocalProvider(Provider):
         *,
         pool_size: int = 0,
         snapshot_store: str | None = None,
+        max_sandboxes: int | None = None,
     ):
         """``pool_size`` > 0 keeps that many started jails ready per (type, network,
         snapshot) in a background thread, for processes that create many sandboxes.
         ``snapshot_store`` (default ``$HARNESS_SNAPSHOT_STORE``) is a store URI
-        that snapshots missing here are pulled from on first use."""
+        that snapshots missing here are pulled from on first use.
+        ``max_sandboxes`` (default ``$HARNESS_MAX_SANDBOXES``, else
+        ``DEFAULT_MAX_SANDBOXES``) caps the live sandboxes of the state directory:
+        a create beyond it fails with SandboxStartError."""
         from harness.sandbox import default_state_dir
 
+        if max_sandboxes is None:
+            max_sandboxes = _env_int("HARNESS_MAX_SANDBOXES", DEFAULT_MAX_SANDBOXES)
+        if max_sandboxes < 1:
+            raise ConfigError(f"max_sandboxes must be at least 1, not {max_sandboxes}")
+        self.max_sandboxes = max_sandboxes
         _jail.check_host()
         self.state_dir = Path(state_dir) if state_dir else default_state_dir()
         self.layers = LayerStore(self.state_dir / "layers")
@@ -209,10 +250,46 @@ class LocalProvider(Provider):
         if meta.deadline is None and meta.expires_at is not None:
             meta = replace(meta, deadline=meta.expires_at + DEADLINE_GRACE_S)
         d = self._dir(meta.id)
-        (d / "merged").mkdir(parents=True)
-        meta.save(d / "meta.json")
-        self._new_rw(meta)
+        try:
+            self._admit(d)
+            meta.save(d / "meta.json")
+            self._new_rw(meta)
+        except BaseException as exc:
+            # Nothing half-made stays behind (a full disk, a refused admission).
+            shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(self.run_dir / meta.id, ignore_errors=True)
+            if isinstance(exc, SandboxStartError) or not isinstance(exc, (OSError, SandboxError)):
+                raise
+            if isinstance(exc, SandboxError):
+                raise SandboxStartError(str(exc)) from exc
+            in_run = str(exc.filename or "").startswith(str(self.run_dir))
+            raise storage_error(exc, "creating a sandbox", self.run_dir if in_run else self.state_dir, SandboxStartError) from exc
         return meta
+
+    def _live_count(self) -> int:
+        return sum(1 for name in os.listdir(self.sandboxes_dir) if ID_RE.match(name))
+
+    def _admit(self, d: Path) -> None:
+        """Make a new sandbox's directory if the state dir is below ``max_sandboxes``.
+        Counting and making happen under one lock, so concurrent creates (threads
+        or processes) cannot overshoot; dead and expired sandboxes are reaped
+        before a create is refused."""
+        for attempt in range(2):
+            fd = os.open(self.state_dir / ".create.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                live = self._live_count()
+                if live < self.max_sandboxes:
+                    (d / "merged").mkdir(parents=True)
+                    return
+            finally:
+                os.close(fd)
+            if attempt == 0:
+                self._reap()
+        raise SandboxStartError(
+            f"{live} sandboxes are live, the limit is {self.max_sandboxes}; delete some "
+            "(`harness sandbox ls`, `harness sandbox delete ID`) or raise max_sandboxes (HARNESS_MAX_SANDBOXES)"
+        )
 
     def _launch(self, meta: SandboxRecord) -> SandboxRecord:
         """Start the jail of a sandbox whose directory exists; saves its pids."""
@@ -233,17 +310,25 @@ class LocalProvider(Provider):
             record=d,
         )
         try:
-            jail = _jail.start(
-                paths,
-                hostname=meta.id,
-                tmp_bytes=res.tmp_bytes,
-                network=meta.network,
-                cgroup_procs=cg.leaf_procs("init"),
-                lifetime_s=None if meta.deadline is None else meta.deadline - time.time(),
-                # A warm jail belongs to the process whose pool started it: if that
-                # process dies, even before it recorded the jail, the jail dies too.
-                die_with_parent=meta.pooled,
-            )
+            if not _start_slots.acquire(timeout=START_WAIT_S):
+                raise SandboxStartError(
+                    f"no turn to start a jail within {START_WAIT_S:.0f} s ({MAX_STARTS} start at once, "
+                    "and they are slow): the machine is overloaded; retry later or start fewer sandboxes at once"
+                )
+            try:
+                jail = _jail.start(
+                    paths,
+                    hostname=meta.id,
+                    tmp_bytes=res.tmp_bytes,
+                    network=meta.network,
+                    cgroup_procs=cg.leaf_procs("init"),
+                    lifetime_s=None if meta.deadline is None else meta.deadline - time.time(),
+                    # A warm jail belongs to the process whose pool started it: if that
+                    # process dies, even before it recorded the jail, the jail dies too.
+                    die_with_parent=meta.pooled,
+                )
+            finally:
+                _start_slots.release()
         except BaseException:
             cg.remove()
             raise
@@ -371,12 +456,33 @@ class LocalProvider(Provider):
                 meta = self._load(d.name)
             except SandboxNotFound:
                 continue
-            if meta.expired():
+            if self._gone(meta):
                 self._destroy(meta.id)
                 continue
             if not meta.pooled:
                 out.append(self._info(meta))
         return sorted(out, key=lambda i: i.created_at)
+
+    @staticmethod
+    def _gone(meta: SandboxRecord) -> bool:
+        """Expired, or its jail died (killed from outside, the OOM killer, a reboot,
+        or the death of the process whose warm pool started it)."""
+        return meta.expired() or (meta.init_pid is not None and not meta.running())
+
+    def _reap(self) -> list[str]:
+        """Delete the sandboxes that are expired or whose jail died; their ids."""
+        deleted = []
+        for d in list(self.sandboxes_dir.iterdir()):
+            if not ID_RE.match(d.name):
+                continue
+            try:
+                meta = self._load(d.name)
+            except SandboxNotFound:
+                continue
+            if self._gone(meta):
+                self._destroy(meta.id)
+                deleted.append(meta.id)
+        return deleted
 
     def snapshots(self) -> list[SnapshotInfo]:
         return self.snapshot_store.list()
@@ -422,8 +528,8 @@ class LocalProvider(Provider):
                         self._destroy(d.name)
                         deleted.append(d.name)
                     continue
-                if meta.expired() or (meta.init_pid is not None and not meta.running()):
-                    self._destroy(meta.id)  # expired, or its jail died (killed, reboot)
+                if self._gone(meta):
+                    self._destroy(meta.id)
                     deleted.append(meta.id)
         self._gc_cgroups()
         used = {layer for s in self.snapshot_store.list() for layer in s.layers}

@@ -64,20 +64,24 @@ def start_server(
     token: str | None = None,
     args: tuple[str, ...] = (),
     timeout: float = 30.0,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> Server:
-    """Start `harness serve` on a free loopback port and wait until /healthz answers."""
+    """Start `harness serve` on a free loopback port (or ``port``) and wait until
+    /healthz answers. ``env`` adds to the server's environment."""
     token = token or secrets.token_urlsafe(24)
-    for _ in range(3):  # another process may take the port between the probe and the bind
-        port = free_port()
+    fixed = port
+    for _ in range(1 if fixed else 3):  # another process may take the port between the probe and the bind
+        port = fixed or free_port()
         log = state_dir / f"serve-{port}.log"
-        env = {**os.environ, "HARNESS_HOME": str(state_dir), "HARNESS_SERVER_TOKEN": token}
-        with open(log, "wb") as out:
+        proc_env = {**os.environ, **(env or {}), "HARNESS_HOME": str(state_dir), "HARNESS_SERVER_TOKEN": token}
+        with open(log, "ab") as out:
             proc = subprocess.Popen(
                 [str(HARNESS), "serve", "--host", "127.0.0.1", "--port", str(port), *args],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env=proc_env,
             )
         server = Server(url=f"http://127.0.0.1:{port}", token=token, state_dir=state_dir, proc=proc, log=log)
         deadline = time.monotonic() + timeout
@@ -91,6 +95,19 @@ def start_server(
         if "address already in use" not in log.read_text(errors="replace").lower():
             break
     raise RuntimeError(f"`harness serve` did not come up: {log.read_text(errors='replace')[-2000:]}")
+
+
+def kill_server(server: Server) -> None:
+    """SIGKILL the server (as the OOM killer or a crash would) and reap it."""
+    if server.proc.poll() is None:
+        server.proc.kill()
+    server.proc.wait(timeout=10)
+
+
+def restart_server(server: Server, **kwargs) -> Server:
+    """A new `harness serve` on the same port, state directory and token."""
+    port = int(server.url.rsplit(":", 1)[1])
+    return start_server(server.state_dir, token=server.token, port=port, **kwargs)
 
 
 def stop_server(server: Server) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from harness import config as C
@@ -284,7 +284,7 @@ def test_parse_grade_rejects_what_is_no_finite_number(text: str) -> None:
 
 # -- the command line: `harness run` and `harness sandbox` ------------------------------
 
-from harness_fixtures import local_provider, needs_sandbox, state_dir  # noqa: E402
+from harness_fixtures import local_provider, needs_sandbox, state_dir
 
 TINY_GRADE = ('if [ "$(cat answer.txt)" = 42 ]; then r=1.0; else r=0.25; fi\n'
               'printf \'{"reward": %s}\' "$r" > "$HOME/result.json"\n')
@@ -295,7 +295,7 @@ def harness(*args: str, timeout: float = 240, env: dict | None = None) -> subpro
     environ = {k: v for k, v in os.environ.items() if not k.startswith("HARNESS_SANDBOX_")}
     environ.update(env or {}, COLUMNS="200")
     return subprocess.run([str(HARNESS), *args], capture_output=True, text=True, timeout=timeout, env=environ,
-                          stdin=subprocess.DEVNULL, cwd=ROOT)
+                          stdin=subprocess.DEVNULL, cwd=ROOT, check=False)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str, code: int | None = None) -> None:
@@ -381,11 +381,11 @@ POLICIES = {
     "reward-nan": ("printf 'echo {\\\"reward\\\": NaN} > \"$HOME/result.json\"' > grade.sh",
                    ("GradeError", "grade", None, "not a finite number")),
     # Several MB of non-UTF-8 on both streams, then a result that is not UTF-8 either.
-    "huge-result": (f"printf 'head -c {MB} /dev/zero | tr \"\\\\\\\\0\" \"\\\\\\\\377\"; "
+    "huge-result": (f"printf 'head -c {MB} /dev/zero | tr \"\\\\\\\\0\" \"\\\\\\\\377\"; "  # noqa: ISC004
                     f"head -c {MB} /dev/zero | tr \"\\\\\\\\0\" \"\\\\\\\\376\" | tee \"$HOME/result.json\" >&2' > grade.sh",
                     ("GradeError", "grade", None, "not JSON")),
     # A grader as loud, but with a good result: the noise does not matter.
-    "loud-grader": (f"printf 'head -c {MB} /dev/urandom; head -c {MB} /dev/urandom >&2; "
+    "loud-grader": (f"printf 'head -c {MB} /dev/urandom; head -c {MB} /dev/urandom >&2; "  # noqa: ISC004
                     f"echo {{\\\"reward\\\": 0.5}} > \"$HOME/result.json\"' > grade.sh", (None, None, 0.5, None)),
     # The policy's own command prints several MB of non-UTF-8: cut to output.max_output_bytes.
     "loud-policy": (f"head -c {MB} /dev/urandom; head -c {MB} /dev/urandom >&2; echo 42 > answer.txt",

@@ -25,16 +25,12 @@ runs in a thread of its own: many clients and commands proceed at once.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import hmac
 import ipaddress
-import json
 import logging
-import secrets
 import sys
-import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -42,150 +38,44 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from harness import __version__
-from harness.errors import (
-    ConfigError,
-    HarnessError,
-    SandboxFileError,
-    SandboxNotFound,
-    SandboxTimeout,
-    SandboxUnavailable,
-    SnapshotExists,
-    SnapshotNotFound,
+from harness.errors import ConfigError, HarnessError, SandboxNotFound
+from harness.sandbox._server_exec import HEARTBEAT_S, run_exec
+from harness.sandbox._server_models import (
+    _ERROR_RESPONSES,
+    ERROR_STATUS,
+    MAX_FILE_BYTES,
+    MAX_JSON_BYTES,
+    NON_EMPTY_NO_NUL,
+    ClientError,
+    CreateBody,
+    ErrorBody,
+    ExecBody,
+    ForkBody,
+    NameBody,
+    SpecBody,
+    check_env,
+    check_name,
+    check_path,
+    error_body,
+    no_nul,
+    status_of,
+    validation_error,
 )
-from harness.sandbox.base import (
-    GcReport,
-    Provider,
-    SandboxInfo,
-    SandboxSpec,
-    SnapshotInfo,
-)
+from harness.sandbox.base import GcReport, Provider, SandboxInfo, SnapshotInfo
+
+__all__ = ["ERROR_STATUS", "HEARTBEAT_S", "CreateBody", "ErrorBody", "ExecBody", "ForkBody", "NameBody", "SpecBody",
+           "create_app", "error_body", "is_loopback", "read_token", "serve", "status_of"]
 
 log = logging.getLogger("harness.serve")
 
-#: Seconds between heartbeat lines of a silent exec (lets clients detect a dead server).
-HEARTBEAT_S = 5.0
-#: Output queued for a slow client beyond which the command's reader waits.
-_MAX_QUEUED_BYTES = 32 << 20
 #: Threads for the blocking routes (Starlette's default of 40 is low for rollouts).
 _THREADPOOL_TOKENS = 256
 _OPEN_PATHS = frozenset({"/healthz"})
-
-#: Status code of each error class (the first match wins); anything else is a 500.
-ERROR_STATUS: tuple[tuple[type[BaseException], int], ...] = (
-    (SandboxNotFound, 404),
-    (SnapshotNotFound, 404),
-    (SnapshotExists, 409),
-    (ConfigError, 400),
-    (SandboxFileError, 422),
-    (SandboxUnavailable, 503),
-    (SandboxTimeout, 504),
-)
-
-
-def status_of(exc: BaseException) -> int:
-    for cls, status in ERROR_STATUS:
-        if isinstance(exc, cls):
-            return status
-    return 500
-
-
-def error_body(exc: BaseException) -> dict[str, Any]:
-    """The JSON error of an exception: its class name and its one-line message."""
-    if isinstance(exc, HarnessError):
-        kind, message = type(exc).__name__, str(exc)
-    else:  # a bug or an unexpected failure below the seam
-        kind, message = "SandboxError", f"internal error in the sandbox server: {type(exc).__name__}: {exc}"
-    lines = message.strip().splitlines()
-    return {"error": {"type": kind, "message": lines[0] if lines else kind}}
-
-
-# -- request bodies (responses are the seam's own records) -------------------------
-
-
-class SpecBody(BaseModel):
-    """A SandboxSpec; the defaults are the seam's."""
-
-    name: str | None = None
-    type: str = "small"
-    ttl_s: float | None = 3600.0
-    network: bool = False
-    env: dict[str, str] = Field(default_factory=dict)
-
-    def to_spec(self) -> SandboxSpec:
-        _no_nul(self.name or "", "sandbox name")
-        for key, value in self.env.items():
-            _no_nul(key + value, "environment variable")
-        return SandboxSpec(**self.model_dump())  # type: ignore[arg-type]
-
-
-class CreateBody(BaseModel):
-    spec: SpecBody = Field(default_factory=SpecBody)
-    from_snapshot: str | None = Field(None, description="start from this snapshot (name or id)")
-
-
-class ForkBody(BaseModel):
-    spec: SpecBody | None = Field(None, description="default: the source's type, network and env")
-
-
-class ExecBody(BaseModel):
-    command: str = Field(description="run under sh -c in the sandbox, as its user")
-    timeout: float | None = Field(None, description="seconds; then the whole tree is killed (exit 124)")
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
-    stdin: str | None = Field(None, description="base64 bytes fed to the command's standard input")
-    max_output_bytes: int = Field(16 << 20, ge=0, description="bytes of each stream kept in the result")
-    stream: bool = Field(True, description="send every chunk (true) or only what the result keeps (false)")
-
-
-class NameBody(BaseModel):
-    name: str
-
-
-class ErrorDetail(BaseModel):
-    type: str = Field(description="the exception class, e.g. SandboxNotFound (Unauthorized for 401/403)")
-    message: str = Field(description="one line: what is wrong and what to do")
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
-
-
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody, "description": text}
-    for status, text in (
-        (400, "bad input (ConfigError)"),
-        (401, "no bearer token"),
-        (403, "wrong bearer token"),
-        (404, "no such sandbox or snapshot"),
-        (409, "the snapshot name is taken"),
-        (422, "invalid request or file path"),
-        (500, "any other sandbox error"),
-        (503, "the backend cannot run here"),
-        (504, "the backend took too long"),
-    )
-}
-
-
-def _no_nul(text: str, what: str) -> None:
-    if "\x00" in text:
-        raise ConfigError(f"invalid {what}: it contains a NUL byte")
-
-
-def _check_path(path: str) -> str:
-    if not path:
-        raise SandboxFileError("no file path given: pass ?path=...")
-    if "\x00" in path:
-        raise SandboxFileError(f"invalid path {path!r}: it contains a NUL byte")
-    return path
-
-
-class _ClientGone(Exception):
-    """Raised inside a command's output callback once its client disconnected."""
-
 
 # -- authentication ----------------------------------------------------------------
 
@@ -219,6 +109,49 @@ class BearerAuth:
         await response(scope, receive, send)
 
 
+class BodyLimit:
+    """ASGI middleware: a 413 for a request body over the limit (file uploads have a larger one)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = MAX_FILE_BYTES if scope["method"] == "PUT" and scope["path"].endswith("/files") else MAX_JSON_BYTES
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        declared = int(length) if length.isdigit() else 0
+        if declared > limit:
+            return await _error(413, "PayloadTooLarge", f"the request body has {declared} bytes; at most {limit} "
+                                "are accepted here")(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:  # a chunked body without a length
+                raise ClientError(f"the request body has more than {limit} bytes", kind="PayloadTooLarge",
+                                  status=413)
+            return message
+
+        return await self.app(scope, counted, send)
+
+
+def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status, headers=headers)
+
+
+def _allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
+    """Every method some route serves at this path (Starlette's 405 names only the first route's)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches({**scope, "method": "GET"}) if hasattr(route, "matches") else (Match.NONE, {})
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
 # -- the application ---------------------------------------------------------------
 
 
@@ -241,6 +174,7 @@ def create_app(provider: Provider, token: str | None) -> FastAPI:
         redoc_url=None,
         lifespan=lifespan,
     )
+    app.add_middleware(BodyLimit)  # type: ignore[arg-type]
     app.add_middleware(BearerAuth, token=token)  # type: ignore[arg-type]
 
     @app.exception_handler(HarnessError)
@@ -249,14 +183,29 @@ def create_app(provider: Provider, token: str | None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        for err in exc.errors():
-            where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        return JSONResponse(
-            {"error": {"type": "ConfigError", "message": "invalid request: " + "; ".join(parts)}},
-            status_code=422,
-        )
+        kind, message = validation_error(list(exc.errors()), request.url.path)
+        return _error(422, kind, message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Routing and parsing errors (unknown route, wrong method, a body that is not JSON) in
+        the same one-line JSON error as every other."""
+        headers = dict(exc.headers or {})
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; the API is described at /openapi.json"
+            return _error(404, "NotFound", message, headers)
+        if exc.status_code == 405:
+            allowed = _allowed_methods(app, request.scope)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"{request.method} is not allowed on {request.url.path}; use {' or '.join(allowed)}"
+            return _error(405, "MethodNotAllowed", message, headers)
+        if exc.status_code == 400:  # FastAPI: "There was an error parsing the body"
+            cause = exc.__cause__
+            if isinstance(cause, ClientError):
+                return JSONResponse(error_body(cause), status_code=cause.status)
+            return _error(400, "ConfigError", "invalid request: the body is not valid JSON", headers)
+        message = " ".join(str(exc.detail).split())[:500] or f"HTTP {exc.status_code}"
+        return _error(exc.status_code, "HTTPError", message, headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -301,12 +250,12 @@ def create_app(provider: Provider, token: str | None) -> FastAPI:
 
     @app.post("/v1/sandboxes/{sandbox_id}/rename", response_model=SandboxInfo, tags=["sandboxes"])
     def rename(sandbox_id: str, body: NameBody):
-        _no_nul(body.name, "sandbox name")
+        check_name(body.name, "sandbox")
         return sandbox(sandbox_id).rename(body.name)
 
     @app.post("/v1/sandboxes/{sandbox_id}/snapshot", response_model=SnapshotInfo, status_code=201, tags=["snapshots"])
     def snapshot(sandbox_id: str, body: NameBody):
-        _no_nul(body.name, "snapshot name")
+        check_name(body.name, "snapshot")
         return sandbox(sandbox_id).snapshot(body.name)
 
     # -- files -----------------------------------------------------------------
@@ -316,8 +265,8 @@ def create_app(provider: Provider, token: str | None) -> FastAPI:
         responses={200: {"content": {"application/octet-stream": {}}, "description": "the file's bytes"}},
         tags=["files"],
     )
-    def read_file(sandbox_id: str, path: str = Query(description="relative paths are under the home")):
-        data = sandbox(sandbox_id).read_file(_check_path(path))
+    def read_file(sandbox_id: str, path: str = Query(description="relative paths are under the home", pattern=NON_EMPTY_NO_NUL)):
+        data = sandbox(sandbox_id).read_file(check_path(path))
         return Response(data, media_type="application/octet-stream")
 
     @app.put(
@@ -329,11 +278,11 @@ def create_app(provider: Provider, token: str | None) -> FastAPI:
     async def write_file(
         sandbox_id: str,
         request: Request,
-        path: str = Query(description="relative paths are under the home"),
+        path: str = Query(description="relative paths are under the home", pattern=NON_EMPTY_NO_NUL),
         mode: int = Query(0o644, ge=0, le=0o7777, description="permission bits, as a decimal integer"),
     ) -> Response:
         """Write the request body (raw bytes) to ``path``, creating parent directories."""
-        _check_path(path)
+        check_path(path)
         data = await request.body()
         await run_in_threadpool(lambda: sandbox(sandbox_id).write_file(path, data, mode))
         return Response(status_code=204)
@@ -347,16 +296,15 @@ def create_app(provider: Provider, token: str | None) -> FastAPI:
     )
     async def exec_(sandbox_id: str, body: ExecBody) -> StreamingResponse:
         """Run a command; output is streamed as NDJSON lines as it is produced."""
-        _no_nul(body.command, "command")
-        _no_nul(body.cwd or "", "cwd")
-        for key, value in body.env.items():
-            _no_nul(key + value, "environment variable")
+        no_nul(body.command, "command")
+        no_nul(body.cwd or "", "cwd")
+        check_env(body.env)
         try:
             stdin = base64.b64decode(body.stdin, validate=True) if body.stdin is not None else None
         except (binascii.Error, ValueError):
             raise ConfigError("stdin must be base64") from None
         sb = await run_in_threadpool(sandbox, sandbox_id)  # unknown id: a 404, not a stream
-        return StreamingResponse(_run_exec(sb, body, stdin), media_type="application/x-ndjson")
+        return StreamingResponse(run_exec(sb, body, stdin), media_type="application/x-ndjson")
 
     # -- snapshots and gc ------------------------------------------------------
     @app.get("/v1/snapshots", response_model=list[SnapshotInfo], tags=["snapshots"])
@@ -369,7 +317,8 @@ def create_app(provider: Provider, token: str | None) -> FastAPI:
 
     @app.delete("/v1/snapshots/{name:path}", status_code=204, tags=["snapshots"])
     def delete_snapshot(name: str) -> Response:
-        provider.delete_snapshot(name)
+        # Looked up first: a name no snapshot can have (or an id) is a 404 here, as for GET.
+        provider.delete_snapshot(provider.snapshot_info(name).name)
         return Response(status_code=204)
 
     @app.post("/v1/gc", response_model=GcReport, tags=["server"])
@@ -378,112 +327,6 @@ def create_app(provider: Provider, token: str | None) -> FastAPI:
         return provider.gc()
 
     return app
-
-
-async def _run_exec(sb, body: ExecBody, stdin: bytes | None) -> AsyncIterator[bytes]:
-    """Run the command in a thread; yield its output lines as the thread queues them."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    gone = threading.Event()
-    finished = threading.Event()
-    exec_id = secrets.token_hex(8)
-    sent = {"stdout": 0, "stderr": 0}
-    queued = [0]  # bytes waiting for the client
-    drained = threading.Condition()
-
-    def put(item: dict[str, Any]) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: the server is going down
-            gone.set()
-
-    def on_output(stream: str, chunk: bytes) -> None:
-        if gone.is_set():
-            raise _ClientGone
-        if not body.stream:
-            room = body.max_output_bytes - sent[stream]
-            if room <= 0:
-                return
-            chunk = chunk[:room]
-        sent[stream] += len(chunk)
-        with drained:
-            # A slow client holds the command back rather than filling memory.
-            while queued[0] > _MAX_QUEUED_BYTES and not gone.is_set():
-                drained.wait(0.1)
-            queued[0] += len(chunk)
-        put({"stream": stream, "data": base64.b64encode(chunk).decode("ascii"), "size": len(chunk)})
-
-    def work() -> None:
-        try:
-            result = sb.exec(
-                body.command,
-                timeout=body.timeout,
-                env={**body.env, "HARNESS_EXEC_ID": exec_id},
-                cwd=body.cwd,
-                stdin=stdin,
-                on_output=on_output,
-                max_output_bytes=body.max_output_bytes,
-            )
-            final: dict[str, Any] = {
-                "exit_code": result.exit_code,
-                "duration_s": result.duration_s,
-                "timed_out": result.timed_out,
-                "truncated": result.truncated,
-            }
-        except _ClientGone:
-            return
-        except BaseException as exc:  # reported to the client as a line
-            if not isinstance(exc, HarnessError):
-                log.exception("exec in %s failed", sb.id)
-            final = error_body(exc)
-        finally:
-            finished.set()
-        put({**final, "done": True})
-
-    def beat() -> None:
-        nonlocal timer
-        queue.put_nowait({"heartbeat": True})
-        timer = loop.call_later(HEARTBEAT_S, beat)
-
-    timer = loop.call_later(HEARTBEAT_S, beat)
-    threading.Thread(target=work, name=f"exec-{sb.id}", daemon=True).start()
-    try:
-        while True:
-            item = await queue.get()
-            done = item.pop("done", False)
-            size = item.pop("size", 0)
-            yield json.dumps(item).encode() + b"\n"
-            if done:
-                return
-            if size:
-                with drained:
-                    queued[0] -= size
-                    drained.notify_all()
-    finally:
-        timer.cancel()
-        gone.set()  # the client left (or all is sent): a still running command dies at its next output
-        with drained:
-            drained.notify_all()
-        if not finished.is_set():
-            threading.Thread(target=_stop_exec, args=(sb, exec_id, finished), daemon=True).start()
-
-
-_KILL_SCRIPT = (
-    "for d in /proc/[0-9]*; do "
-    "tr '\\0' '\\n' < $d/environ 2>/dev/null | grep -qx HARNESS_EXEC_ID={id} && kill -9 ${{d#/proc/}} 2>/dev/null; "
-    "done; true"
-)
-
-
-def _stop_exec(sb, exec_id: str, finished: threading.Event) -> None:
-    """Kill a command whose client went away, if it does not stop by itself."""
-    for _ in range(3):
-        if finished.wait(0.3):
-            return
-        try:
-            sb.exec(_KILL_SCRIPT.format(id=exec_id), timeout=10)
-        except HarnessError:
-            return  # the sandbox is gone, and its commands with it
 
 
 # -- serving ------------------------------------------------------------------------

@@ -224,7 +224,7 @@ def test_list_and_gc_drop_sandboxes_whose_jails_were_killed(own_provider):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="_jail.py: bubblewrap's init outlives its holder while a daemon lives")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="_jail.py: bubblewrap's init outlives its holder while a daemon lives")
 def test_a_jail_with_a_daemon_ends_by_itself_after_its_ttl(own_provider, monkeypatch):
     """The jail's own last resort (its holder exits at TTL + grace) must end it
     with background processes too, whether or not a harness process runs again."""
@@ -694,7 +694,7 @@ def test_a_server_killed_and_restarted_keeps_its_sandboxes(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="server.py/_exec.py: an exec's command outlives a server killed mid-call")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="server.py/_exec.py: an exec's command outlives a server killed mid-call")
 def test_a_command_in_flight_dies_with_its_server(tmp_path):
     state = tmp_path / "state"
     state.mkdir()

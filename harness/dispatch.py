@@ -6,7 +6,12 @@ Infrastructure failures (see ``harness.failures``) are retried up to
 ``retries`` times: each retry waits an exponential backoff with jitter and goes
 to another actor when there is one; and while failures keep coming with no
 success between them, no new episode starts before the backoff is over either,
-so a sandbox server that is down for a while sees a trickle, not a storm.
+so a sandbox server that is down for a while sees a trickle, not a storm. When
+failures keep coming with no success at all (``give_up_after`` in a row), the
+infrastructure is down rather than flaky: the run stops, resumable.
+
+A policy or grader failure ends the streak like a success does: the episode
+reached its sandbox, so the infrastructure works.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.episode import EpisodeRequest, EpisodeResult, failed_result
+from harness.errors import InfrastructureDown
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,9 @@ class RetryPolicy:
     retries: int = 3
     backoff_s: float = 1.0
     max_backoff_s: float = 30.0
+    #: Infrastructure failures in a row, with no episode ending well between them, after
+    #: which the run stops (InfrastructureDown): the infrastructure is down, not flaky.
+    give_up_after: int = 20
 
     def delay(self, failures: int) -> float:
         """Seconds to wait after ``failures`` failures in a row: doubling, capped, with
@@ -121,6 +130,10 @@ class Dispatcher:
                 self.finished(result)
                 continue
             failures_in_a_row += 1
+            if failures_in_a_row >= self.retry.give_up_after:
+                raise InfrastructureDown(
+                    f"{failures_in_a_row} infrastructure failures in a row and no episode went well in between "
+                    f"(last: {result.error_type}: {result.error}); fix the cause, then resume the run")
             hold_until = time.monotonic() + self.retry.delay(failures_in_a_row)
             if req.attempt < self.retry.retries:
                 self.retries_done += 1

@@ -36,7 +36,7 @@ from harness.dataset import DatasetWriter, drop_episodes, episode_row, load_epis
 from harness.dispatch import Dispatcher, RetryPolicy
 from harness.env import EnvSpec, build_env
 from harness.episode import EpisodeRequest, EpisodeResult
-from harness.errors import ConfigError, HarnessError
+from harness.errors import ConfigError, HarnessError, InfrastructureDown
 from harness.policy import describe as describe_policy
 from harness.policy import make_policy
 from harness.runs import reap_dead_runs, reap_on_nodes, reap_sandboxes
@@ -348,6 +348,7 @@ def _run_locked(cfg: DictConfig, run_id: str, run_dir: Path, console: Console, s
         return deleted
 
     actors: list[Any] = []
+    stopped: InfrastructureDown | None = None
     status, counts = "failed", {"done": len(rows), "failures": sum(r["error_type"] is not None for r in rows)}
     rewards = [r["reward"] for r in rows if r["reward"] is not None]
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -384,6 +385,8 @@ def _run_locked(cfg: DictConfig, run_id: str, run_dir: Path, console: Console, s
             except KeyboardInterrupt:
                 status = "interrupted"
                 console.print("[yellow]interrupted: cancelling running episodes, deleting their sandboxes")
+            except InfrastructureDown as exc:
+                status, stopped = "stopped", exc
             finally:
                 _stop_actors(actors)
                 try:
@@ -403,6 +406,8 @@ def _run_locked(cfg: DictConfig, run_id: str, run_dir: Path, console: Console, s
         write_manifest(run_dir, manifest)
         if owns_ray:
             ray.shutdown()
+    if stopped is not None:
+        raise InfrastructureDown(f"{stopped}: harness run --resume {run_dir}")
     if status == "interrupted":
         console.print(f"[yellow]{counts['done']} of {len(all_requests)} episodes have rows; finish the run with: "
                       f"harness run --resume {run_dir}", highlight=False, soft_wrap=True)

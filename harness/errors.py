@@ -12,7 +12,8 @@
     │   ├── SandboxTimeout (TimeoutError)       a sandbox operation took too long
     │   ├── SandboxAuthError (PermissionError)  a sandbox server refused the token
     │   └── SandboxFileError (OSError)          a file call failed inside the sandbox
-    └── EnvironmentBuildError                   an environment's setup failed
+    ├── EnvironmentBuildError                   an environment's setup failed
+    └── InfrastructureDown                      infrastructure failures kept coming: the run stopped
 
 Leaves also inherit the matching builtin so callers may catch either. Every
 message is one line that says what is wrong and what to do about it.
@@ -94,3 +95,8 @@ class PolicyError(EpisodeError):
 
 class GradeError(EpisodeError):
     """The grader failed or wrote no readable result with a numeric reward."""
+
+
+class InfrastructureDown(HarnessError):
+    """Infrastructure failures kept coming with no success between them: the run stopped
+    (resumable) instead of crawling through its backoff or burning every episode."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -30,15 +29,19 @@ from harness.episode import EpisodeRequest
 from harness.errors import ConfigError
 
 REDACTED = "<redacted>"
-#: Keys whose values never reach a run directory.
-SECRET_KEYS = ("token", "api_key", "password", "secret")
+#: Keys whose values never reach a run directory (also as the end of a key: auth_token).
+SECRET_KEYS = ("token", "api_key", "apikey", "password", "secret")
+
+
+def _secret(key: Any) -> bool:
+    key = str(key).lower()
+    return any(key == s or key.endswith("_" + s) for s in SECRET_KEYS)
 
 
 def redact(data: Any) -> Any:
-    """A copy of a config tree with secret-looking values replaced."""
+    """A copy of a config tree with secret values replaced (api_key_env names a variable: kept)."""
     if isinstance(data, dict):
-        return {k: (REDACTED if any(s in str(k).lower() for s in SECRET_KEYS) and v else redact(v))
-                for k, v in data.items()}
+        return {k: (REDACTED if _secret(k) and v else redact(v)) for k, v in data.items()}
     if isinstance(data, list):
         return [redact(v) for v in data]
     return data
@@ -109,7 +112,3 @@ def locked(run_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-def manifest_status(manifest: dict[str, Any]) -> str:
-    return json.dumps({k: manifest.get(k) for k in ("status", "episodes_total", "episodes_done")})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,9 +16,13 @@ from harness.dataset import (
     EPISODE_SCHEMA,
     STEP_SCHEMA,
     DatasetWriter,
+    drop_episodes,
+    episode_ids,
     load_episodes,
     load_steps,
+    next_part,
     read_manifest,
+    recover,
     write_manifest,
 )
 from harness.episode import EpisodeRequest, EpisodeResult, StepRecord, failed_result
@@ -101,3 +107,65 @@ def test_read_back_with_pyarrow_and_ray_data(tmp_path: Path, ray_local) -> None:
     episodes = ray_local.data.read_parquet(str(tmp_path / "episodes")).to_pandas()
     assert sorted(episodes["episode_id"]) == list(range(7))
     assert pytest.approx(episodes["reward"].mean()) == 1.0
+
+
+def _crash_after(tmp_path: Path, n: int, batch_rows: int, cut_last: bool = False) -> None:
+    """A writer process that reports ``n`` episodes done, then dies with SIGKILL-like abruptness."""
+    code = (
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_dataset import result\n"
+        "from harness.dataset import DatasetWriter\n"
+        f"w = DatasetWriter({str(tmp_path)!r}, batch_rows={batch_rows}, flush_seconds=3600)\n"
+        f"for i in range({n}):\n"
+        "    w.add(result(i, n_steps=2), 'script')\n"
+        "os._exit(9)  # no close(), no flush: what SIGKILL leaves\n")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    if cut_last:  # the power went while the next row was half written
+        journal = next((tmp_path / "journal").glob("*.jsonl"))
+        with open(journal, "a") as f:
+            f.write('{"episode": {"episode_id": 99, "run_id"')
+
+
+def test_rows_reported_done_survive_a_crash(tmp_path: Path) -> None:
+    _crash_after(tmp_path, 5, batch_rows=2, cut_last=True)
+    # two part files made it; the fifth row lives only in the journal
+    assert len(list((tmp_path / "episodes").glob("*.parquet"))) == 2
+    assert recover(tmp_path) == 1
+    assert not list((tmp_path / "journal").iterdir()) and not list(tmp_path.rglob("*.tmp"))
+    assert sorted(episode_ids(tmp_path)) == [0, 1, 2, 3, 4]  # the cut row is not there: it was never done
+    assert load_steps(tmp_path).num_rows == 10
+    assert recover(tmp_path) == 0  # idempotent
+    w = DatasetWriter(tmp_path, batch_rows=1)  # a resumed run appends after the existing parts
+    w.add(result(5), "script")
+    w.close()
+    assert sorted(episode_ids(tmp_path)) == [0, 1, 2, 3, 4, 5]
+    assert next_part(tmp_path) == 4
+
+
+def test_a_journal_whose_part_file_was_written_is_not_recovered_twice(tmp_path: Path) -> None:
+    w = DatasetWriter(tmp_path, batch_rows=10, flush_seconds=3600)
+    for i in range(3):
+        w.add(result(i), "script")
+    journal = tmp_path / "journal" / "part-00000.jsonl"
+    kept = journal.read_bytes()
+    w.flush()  # the part file is written, then the journal removed...
+    journal.write_bytes(kept)  # ...but say the crash came between the two
+    assert recover(tmp_path) == 0
+    assert sorted(episode_ids(tmp_path)) == [0, 1, 2]
+
+
+def test_dropping_rows_to_retry_them_is_all_or_nothing(tmp_path: Path) -> None:
+    w = DatasetWriter(tmp_path, batch_rows=2)
+    for i in range(5):
+        w.add(result(i, n_steps=2), "script")
+    w.close()
+    drop_episodes(tmp_path, {1, 4})
+    assert sorted(episode_ids(tmp_path)) == [0, 2, 3]
+    assert sorted(set(load_steps(tmp_path).column("episode_id").to_pylist())) == [0, 2, 3]
+    # a drop cut short by a crash (intent written, one file filtered) is finished by recover
+    (tmp_path / "dropping.json").write_text("[0]")
+    assert recover(tmp_path) == 0
+    assert sorted(episode_ids(tmp_path)) == [2, 3]
+    assert sorted(set(load_steps(tmp_path).column("episode_id").to_pylist())) == [2, 3]
+    assert not (tmp_path / "dropping.json").exists()

@@ -219,8 +219,16 @@ def _local_provider():
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    report = _provider().gc()
-    _print_json({"ok": True, "deletedSandboxes": list(report.deleted_sandboxes), "removedLayers": len(report.removed_layers)})
+    provider = _provider()
+    crashed: dict[str, list[str]] = {}
+    state_dir = getattr(provider, "state_dir", None)
+    if state_dir is not None:  # local: the sandboxes of runs whose driver died on this host
+        from harness.runs import reap_dead_runs
+
+        crashed = {run: names for run, names in reap_dead_runs(state_dir).items() if names}
+    report = provider.gc()
+    _print_json({"ok": True, "deletedSandboxes": list(report.deleted_sandboxes), "removedLayers": len(report.removed_layers),
+                 "crashedRuns": crashed})
     return 0
 
 
@@ -326,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--store", help="the store URI (default $HARNESS_SNAPSHOT_STORE)")
         p.set_defaults(func=func)
 
-    p = verbs.add_parser("gc", help="delete expired sandboxes, leftovers of crashes, and unused layers")
+    p = verbs.add_parser("gc", help="delete expired sandboxes, leftovers of crashes (also of `harness run` drivers "
+                         "that died), and unused layers")
     p.set_defaults(func=cmd_gc)
 
     p = top.add_parser("serve", help="serve this machine's sandboxes over HTTP to `harness sandbox` and the http backend")

@@ -258,6 +258,32 @@ def median_overrides(tmp_path: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in items.items()]
 
 
+def start_server(home: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A real `harness serve --insecure` on loopback with its own state directory."""
+    import socket
+
+    import httpx
+
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", "--port", str(port), "--insecure"],
+                              env={**os.environ, "HARNESS_HOME": str(home)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return server, f"http://127.0.0.1:{port}"
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or server.poll() is not None:
+            server.kill()
+            raise AssertionError(server.stderr.read())
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     import ray

@@ -19,6 +19,7 @@ from harness_fixtures import (
     local_provider,
     median_env,
     median_overrides,
+    start_server,
     state_dir,
     needs_sandbox,
     ray_local,  # noqa: F401  (module-scoped fixture)
@@ -225,30 +226,6 @@ def test_infrastructure_failures_are_retried(tmp_path: Path, ray_local) -> None:
     assert sorted(r["attempt"] for r in rows) == [0, 0, 1] and all(r["reward"] == 1.0 for r in rows)
 
 
-def _start_server(home: Path) -> tuple[subprocess.Popen, str]:
-    import socket
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", "--port", str(port), "--insecure"],
-                              env={**os.environ, "HARNESS_HOME": str(home)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return server, f"http://127.0.0.1:{port}"
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or server.poll() is not None:
-            server.kill()
-            raise AssertionError(server.stderr.read())
-        time.sleep(0.2)
-
-
 def test_the_same_run_over_two_sandbox_servers(tmp_path: Path, ray_local) -> None:  # noqa: F811
     """`sandbox.backend=http` with `sandbox.hosts`: actors are spread over two `harness serve`
     on loopback, each with its own state directory (so each builds the environment)."""
@@ -257,8 +234,8 @@ def test_the_same_run_over_two_sandbox_servers(tmp_path: Path, ray_local) -> Non
     median_env()
     servers = []
     try:
-        servers.append(_start_server(state_dir()))
-        servers.append(_start_server(tmp_path / "second-host"))
+        servers.append(start_server(state_dir()))
+        servers.append(start_server(tmp_path / "second-host"))
         urls = [url for _, url in servers]
         cfg = load_config(MEDIAN_CONFIG, median_overrides(tmp_path, episodes=1, actors=2, **{
             "sandbox.backend": "http", "sandbox.hosts": "[" + ",".join(urls) + "]", "output.run_id": "http"}))

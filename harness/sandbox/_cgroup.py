@@ -73,9 +73,17 @@ def _write(path: Path, value: str) -> None:
     path.write_text(value)
 
 
+def _subgroups(group: Path) -> list[Path]:
+    return [p for p in group.rglob("*") if p.is_dir()]
+
+
 def _pids_in(group: Path) -> list[int]:
     pids: list[int] = []
-    for sub in [group, *[p for p in group.rglob("*") if p.is_dir()]]:
+    try:
+        subs = _subgroups(group)
+    except FileNotFoundError:
+        return pids  # removed meanwhile, with its processes
+    for sub in [group, *subs]:
         try:
             pids.extend(int(x) for x in (sub / "cgroup.procs").read_text().split())
         except (OSError, ValueError):
@@ -88,7 +96,10 @@ def _rmdir_tree(group: Path, wait_s: float = 2.0) -> None:
     if not group.exists():
         return
     deadline = time.monotonic() + wait_s
-    children = sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
+    try:
+        children = sorted(_subgroups(group), key=lambda p: len(p.parts), reverse=True)
+    except FileNotFoundError:
+        return  # removed meanwhile by another process
     for path in [*children, group]:
         while True:
             try:
@@ -198,25 +209,29 @@ class SandboxCgroup:
         d = self._freezer_dir(leaf)
         if d is None or not d.exists():
             return
-        if self.layout.version == 2:
-            _write(d / "cgroup.freeze", "1")
-            deadline = time.monotonic() + 2
-            while "frozen 1" not in (d / "cgroup.events").read_text() and time.monotonic() < deadline:
-                time.sleep(0.0005)
-        else:
-            _write(d / "freezer.state", "FROZEN")
-            deadline = time.monotonic() + 2
-            while (d / "freezer.state").read_text().strip() != "FROZEN" and time.monotonic() < deadline:
-                time.sleep(0.0005)
+        try:
+            if self.layout.version == 2:
+                _write(d / "cgroup.freeze", "1")
+                deadline = time.monotonic() + 2
+                while "frozen 1" not in (d / "cgroup.events").read_text() and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+            else:
+                _write(d / "freezer.state", "FROZEN")
+                deadline = time.monotonic() + 2
+                while (d / "freezer.state").read_text().strip() != "FROZEN" and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+        except FileNotFoundError:
+            pass  # removed meanwhile (another process deleted the sandbox): nothing left to freeze
 
     def thaw(self, leaf: str | None = None) -> None:
         d = self._freezer_dir(leaf)
         if d is None or not d.exists():
             return
-        if self.layout.version == 2:
-            _write(d / "cgroup.freeze", "0")
-        else:
-            _write(d / "freezer.state", "THAWED")
+        try:
+            _write(d / ("cgroup.freeze" if self.layout.version == 2 else "freezer.state"),
+                   "0" if self.layout.version == 2 else "THAWED")
+        except FileNotFoundError:
+            pass  # removed meanwhile: nothing left to thaw
 
     def kill(self, leaf: str | None = None, *, spare: int | None = None) -> int:
         """SIGKILL every process in the sandbox (or one leaf); returns how many.
@@ -232,7 +247,10 @@ class SandboxCgroup:
             return 0
         if spare is None and self.layout.version == 2 and (d / "cgroup.kill").exists():
             pids = _pids_in(d)
-            _write(d / "cgroup.kill", "1")
+            try:
+                _write(d / "cgroup.kill", "1")
+            except FileNotFoundError:
+                return 0  # removed meanwhile, with its processes
             return len(pids)
         # Freeze first so nothing forks between reading the list and the kill.
         self.freeze(leaf)

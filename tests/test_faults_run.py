@@ -182,7 +182,7 @@ def _killer_policy(tmp_path: Path, marks: Path) -> Path:
         f"MARKS = pathlib.Path({str(marks)!r})\n"
         "def act(obs):\n"
         "    if obs.t == 0:\n"
-        "        (MARKS / str(os.getpid())).touch()\n"
+        "        (MARKS / f'{time.time_ns()}-{os.getpid()}').touch()\n"
         "        time.sleep(1.0)\n"
         "        return 'cp policies/1.py task/stats.py'\n"
         "    return None\n")
@@ -204,10 +204,11 @@ def test_sigkill_of_an_actor_process_mid_episode(tmp_path: Path, ray_local) -> N
     def kill_one() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            pids = sorted(int(p.name) for p in marks.iterdir())
-            if len(pids) >= 3:  # a few episodes in: kill the actor of the latest one, mid-episode
-                os.kill(pids[-1], signal.SIGKILL)
-                killed.append(pids[-1])
+            started = sorted(p.name for p in marks.iterdir())
+            if len(started) >= 3:  # a few episodes in: kill the actor of the latest one, mid-episode
+                pid = int(started[-1].split("-")[1])
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
                 return
             time.sleep(0.05)
 

@@ -50,12 +50,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness.config import load_config  # noqa: E402
-from harness.dataset import load_episodes, load_steps  # noqa: E402
-from harness.driver import run  # noqa: E402
-from harness.sandbox import open_provider  # noqa: E402
-from harness.sandbox._jail import alive, process_start_time  # noqa: E402
-from harness.sandbox._record import ID_RE, SandboxRecord  # noqa: E402
+from harness.config import load_config
+from harness.dataset import load_episodes, load_steps
+from harness.driver import run
+from harness.sandbox import open_provider
+from harness.sandbox._jail import alive, process_start_time
+from harness.sandbox._record import ID_RE, SandboxRecord
 
 CONFIG = ROOT / "configs" / "median.yaml"
 POINTS = 6  # the sweep of configs/median.yaml: policy.id [0, 1, 2] x method [new_from, fork]
@@ -325,7 +325,7 @@ def leaks_now(state_dir: Path, *, run_tmpfs_ok: bool) -> Leaks:
                         if rec is not None and rec.init_pid and alive(rec.init_pid, rec.init_start)],
         record_dirs=[name for name, _ in recs],
         mounts=[m for m in mounts_under(state_dir) if not (run_tmpfs_ok and m == run_tmpfs)],
-        processes=[f"{pid} {cmd[:120]}" for pid, cmd in processes_referencing(state_dir)],
+        processes=[f"{pid} {' '.join(cmd.split())[:160]}" for pid, cmd in processes_referencing(state_dir)],
         cgroups=cgroups_of(state_dir),
         tmpfs_dirs=tmpfs_leftovers(state_dir),
         children=[f"{pid} {cmd[:120]}" for pid, cmd in my_descendants()],

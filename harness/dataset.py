@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from harness.episode import EpisodeResult
+from harness.errors import DatasetWriteError
 
 #: RLlib's ids for a single-agent episode.
 AGENT_ID = "default_agent"
@@ -160,6 +161,7 @@ class DatasetWriter:
         self.part = next_part(self.run_dir)
         self.last_flush = time.monotonic()
         self.rows_written = 0
+        self.broken = False  # a write failed: stop writing, leave the rest to recover()
         self._journal: Any = None
 
     def add(self, result: EpisodeResult, policy_label: str = "") -> None:
@@ -167,11 +169,17 @@ class DatasetWriter:
 
     def add_row(self, episode: dict[str, Any], steps: list[dict[str, Any]]) -> None:
         """Journal one episode durably, then buffer it for the next part file."""
-        if self._journal is None:
-            self._journal = open(self._journal_path(self.part), "a", encoding="utf-8")  # noqa: SIM115
-        self._journal.write(json.dumps({"episode": episode, "steps": steps}) + "\n")
-        self._journal.flush()
-        os.fsync(self._journal.fileno())
+        path = self._journal_path(self.part)
+        try:
+            if self._journal is None:
+                self._journal = open(path, "a", encoding="utf-8")  # noqa: SIM115
+            self._journal.write(json.dumps({"episode": episode, "steps": steps}) + "\n")
+            self._journal.flush()
+            os.fsync(self._journal.fileno())
+        except OSError as exc:
+            self.broken = True  # the journal may end in half a line: append nothing more to it
+            raise DatasetWriteError(f"cannot write the rows of run {self.run_dir.name} to {path}: "
+                                    f"{exc.strerror or exc}; free space (or fix permissions), then resume the run") from exc
         self.episodes.append(episode)
         self.steps.extend(steps)
         if len(self.episodes) >= self.batch_rows or time.monotonic() - self.last_flush >= self.flush_seconds:
@@ -182,9 +190,16 @@ class DatasetWriter:
 
     def flush(self) -> None:
         self.last_flush = time.monotonic()
-        if not self.episodes:
-            return
-        _write_part(self.run_dir, self.part, self.episodes, self.steps)
+        if not self.episodes or self.broken:
+            return  # broken: the journal holds every row reported done; recover() makes the parts
+        try:
+            _write_part(self.run_dir, self.part, self.episodes, self.steps)
+        except OSError as exc:
+            self.broken = True
+            for sub in ("episodes", "steps"):  # no half-written file is left for readers to trip on
+                (self.run_dir / sub / f"part-{self.part:05d}.tmp").unlink(missing_ok=True)
+            raise DatasetWriteError(f"cannot write a part file of run {self.run_dir.name}: {exc.strerror or exc}; "
+                                    "the rows are safe in its journal: free space, then resume the run") from exc
         if self._journal is not None:
             self._journal.close()
             self._journal = None
@@ -229,7 +244,7 @@ def _read_journal(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]
                 entry = json.loads(line)
                 episode, episode_steps = entry["episode"], entry["steps"]
             except (ValueError, KeyError, TypeError):
-                break  # a line cut short by the crash: its episode was never reported done
+                continue  # a line cut short (crash, full disk): its episode was never reported done
             episodes.append(episode)
             steps.extend(episode_steps)
     return episodes, steps

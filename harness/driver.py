@@ -36,7 +36,7 @@ from harness.dataset import DatasetWriter, drop_episodes, episode_row, load_epis
 from harness.dispatch import Dispatcher, RetryPolicy
 from harness.env import EnvSpec, build_env
 from harness.episode import EpisodeRequest, EpisodeResult
-from harness.errors import ConfigError, HarnessError, InfrastructureDown
+from harness.errors import ConfigError, DatasetWriteError, HarnessError, InfrastructureDown
 from harness.policy import describe as describe_policy
 from harness.policy import make_policy
 from harness.runs import reap_dead_runs, reap_on_nodes, reap_sandboxes
@@ -264,6 +264,8 @@ def _run_locked(cfg: DictConfig, run_id: str, run_dir: Path, console: Console, s
     env_data = OmegaConf.to_container(cfg.env, resolve=True)
     env_spec = EnvSpec.from_dict({**env_data, "type": cfg.sandbox.type})  # type: ignore[dict-item]
     owns_ray = _init_ray(cfg)
+    if _stop_on_sigterm:  # ray.init installs its own SIGTERM handler, which would skip the cleanup
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         cpus = ray.cluster_resources().get("CPU", 0.0)
         n_actors = min(int(cfg.actors), len(all_requests))
@@ -348,7 +350,7 @@ def _run_locked(cfg: DictConfig, run_id: str, run_dir: Path, console: Console, s
         return deleted
 
     actors: list[Any] = []
-    stopped: InfrastructureDown | None = None
+    stopped: InfrastructureDown | DatasetWriteError | None = None
     status, counts = "failed", {"done": len(rows), "failures": sum(r["error_type"] is not None for r in rows)}
     rewards = [r["reward"] for r in rows if r["reward"] is not None]
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -385,7 +387,7 @@ def _run_locked(cfg: DictConfig, run_id: str, run_dir: Path, console: Console, s
             except KeyboardInterrupt:
                 status = "interrupted"
                 console.print("[yellow]interrupted: cancelling running episodes, deleting their sandboxes")
-            except InfrastructureDown as exc:
+            except (InfrastructureDown, DatasetWriteError) as exc:
                 status, stopped = "stopped", exc
             finally:
                 _stop_actors(actors)
@@ -396,18 +398,24 @@ def _run_locked(cfg: DictConfig, run_id: str, run_dir: Path, console: Console, s
                 except HarnessError as exc:
                     console.print(f"[yellow]could not check for leftover sandboxes: {escape(str(exc))}")
     finally:
-        writer.close()
+        try:
+            writer.close()
+        except DatasetWriteError as exc:  # the journal keeps what was reported done
+            status, stopped = "stopped", stopped or exc
         manifest.update(
             status=status, episodes_done=counts["done"], episodes_failed=counts["failures"],
             seconds=round(manifest.get("seconds", 0.0) + time.monotonic() - t_run, 3), finished_at=_now(),
             results=[{"point": p.point, "method": p.method, "episodes": p.episodes, "errors": p.errors,
                       "mean_reward": p.mean_reward} for p in stats],
         )
-        write_manifest(run_dir, manifest)
+        try:
+            write_manifest(run_dir, manifest)
+        except OSError as exc:  # the last one written (status running) stays: resumable all the same
+            console.print(f"[yellow]could not update {run_dir / 'manifest.yaml'}: {escape(str(exc))}")
         if owns_ray:
             ray.shutdown()
     if stopped is not None:
-        raise InfrastructureDown(f"{stopped}: harness run --resume {run_dir}")
+        raise type(stopped)(f"{stopped}: harness run --resume {run_dir}")
     if status == "interrupted":
         console.print(f"[yellow]{counts['done']} of {len(all_requests)} episodes have rows; finish the run with: "
                       f"harness run --resume {run_dir}", highlight=False, soft_wrap=True)
@@ -433,6 +441,10 @@ def _now() -> str:
 
 def _mean(xs: list[float]) -> str:
     return f"{statistics.fmean(xs):.3f}" if xs else "-"
+
+
+#: Set by the command line: SIGTERM stops a run as Ctrl-C does (not for library callers).
+_stop_on_sigterm = False
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -470,6 +482,8 @@ def run_command(args: argparse.Namespace) -> int:
             overrides.append("rebuild=true")
         cfg = rundir.resume_config(resume, overrides) if resume else C.load_config(args.config, overrides)
         # SIGTERM (a scheduler stopping the job, `kill`) stops the run as cleanly as Ctrl-C.
+        global _stop_on_sigterm
+        _stop_on_sigterm = True
         signal.signal(signal.SIGTERM, _interrupt)
         summary = run(cfg, console=err, show_progress=not getattr(args, "no_progress", False),
                       resume=bool(resume), retry_failed=bool(getattr(args, "retry_failed", False)))

@@ -13,6 +13,7 @@
     │   ├── SandboxAuthError (PermissionError)  a sandbox server refused the token
     │   └── SandboxFileError (OSError)          a file call failed inside the sandbox
     ├── EnvironmentBuildError                   an environment's setup failed
+    ├── DatasetWriteError (OSError)             a run's rows could not be written (disk full, ...)
     └── InfrastructureDown                      infrastructure failures kept coming: the run stopped
 
 Leaves also inherit the matching builtin so callers may catch either. Every
@@ -100,3 +101,8 @@ class GradeError(EpisodeError):
 class InfrastructureDown(HarnessError):
     """Infrastructure failures kept coming with no success between them: the run stopped
     (resumable) instead of crawling through its backoff or burning every episode."""
+
+
+class DatasetWriteError(HarnessError, OSError):
+    """A run's rows could not be written to its run directory; the rows already
+    reported done are safe, and the run is resumable once the cause is fixed."""

@@ -71,3 +71,29 @@ def no_leaked_sandboxes(request):
     assert not leaked, f"test leaked sandboxes: {sorted(leaked)}"
     mounts = Path("/proc/self/mountinfo").read_text()
     assert str(provider.sandboxes_dir) not in mounts, "a sandbox mount was left on the host"
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_run_sandboxes():
+    """The same check for the RL-harness tests' own state directory (harness_fixtures):
+    no sandbox, mount or run lease may outlive the test that made it."""
+    import harness_fixtures
+
+    def live() -> set[str]:
+        if harness_fixtures.state_dir.cache_info().currsize == 0:
+            return set()
+        with harness_fixtures.local_provider() as provider:
+            return {f"{i.id} ({i.name})" for i in provider.list()}
+
+    before = live()
+    yield
+    if harness_fixtures.state_dir.cache_info().currsize == 0:
+        return
+    root = harness_fixtures.state_dir()
+    leaked = live() - before
+    assert not leaked, f"test leaked sandboxes: {sorted(leaked)}"
+    leases = root / "runs"
+    assert not leases.is_dir() or not list(leases.iterdir()), f"a run left its lease: {list(leases.iterdir())}"
+    mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
+              if f"{root}/sandboxes" in line]
+    assert not mounts, f"a sandbox mount was left on the host: {mounts[:2]}"

@@ -146,9 +146,10 @@ def test_an_infrastructure_that_stays_down_stops_the_run(ray_local) -> None:  # 
 
 
 def test_policy_failures_end_a_streak_of_infrastructure_failures(ray_local) -> None:  # noqa: F811
-    plan = {i: ["acquire", "act"] for i in range(8)}  # every episode: one infra failure, then a policy error
-    results, _, _, _ = dispatch(ray_local, plan, 8, 2, RetryPolicy(retries=3, backoff_s=0.01, give_up_after=3))
-    assert len(results) == 8 and {r.error_type for r in results} == {"PolicyError"}
+    plan = {i: ["acquire", "act"] for i in range(30)}  # every episode: one infra failure, then a policy error
+    # 30 infrastructure failures in all, but never 10 in a row: the retries' policy errors break the streaks
+    results, _, _, _ = dispatch(ray_local, plan, 30, 2, RetryPolicy(retries=3, backoff_s=0.01, give_up_after=10))
+    assert len(results) == 30 and {r.error_type for r in results} == {"PolicyError"}
 
 
 def test_secrets_are_redacted_but_names_of_variables_are_kept() -> None:

@@ -5,6 +5,8 @@ Each asserts on the final dataset: every episode exactly once, nothing lost, not
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import signal
@@ -15,10 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from harness_fixtures import (
     MEDIAN_CONFIG,
     ROOT,
     local_provider,
+    make_tiny_env,
     median_env,
     median_overrides,
     needs_sandbox,
@@ -29,6 +33,7 @@ from harness_fixtures import (
 
 from harness.config import load_config
 from harness.dataset import load_episodes, read_manifest
+from harness.dispatch import RetryPolicy
 from harness.driver import run
 from harness.rundir import resume_config
 
@@ -54,13 +59,6 @@ def assert_complete(run_dir: Path, total: int) -> list[dict]:
     assert sorted(ids) == list(range(total)), f"lost {set(range(total)) - set(ids)}, rows {len(ids)}"
     assert not list((run_dir / "journal").glob("*.jsonl")) and not list(run_dir.rglob("*.tmp"))
     return rows
-
-
-@pytest.fixture(autouse=True)
-def no_leases_left():
-    yield
-    leases = state_dir() / "runs"
-    assert not leases.exists() or not list(leases.iterdir()), "a run left its lease behind"
 
 
 def journal_rows(run_dir: Path) -> list[dict]:
@@ -120,7 +118,8 @@ def test_sigkill_of_the_driver_then_gc_and_resume(tmp_path: Path) -> None:
     assert run_sandboxes("killed") == []
 
 
-def test_ctrl_c_then_resume_finishes_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_then_resume_finishes_the_run(tmp_path: Path, sig: int) -> None:
     median_env()
     total = 10
     overrides = median_overrides(tmp_path, episodes=total, sweep="{}", **{
@@ -131,7 +130,7 @@ def test_ctrl_c_then_resume_finishes_the_run(tmp_path: Path) -> None:
     deadline = time.monotonic() + 180
     while len(journal_rows(run_dir)) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert f"harness run --resume {run_dir}" in err and "Traceback" not in err
@@ -295,3 +294,115 @@ def test_retry_failed_reruns_only_infrastructure_failures(tmp_path: Path, ray_lo
     rows = assert_complete(summary.run_dir, 4)
     assert sorted((r["error_phase"] or "ok") for r in rows) == ["act", "act", "ok", "ok"]
     assert read_manifest(summary.run_dir)["resumes"][0]["rows_dropped_to_retry"] == 1
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of ``size`` at ``path``: a disk that fills up for real."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Take every free byte of ``disk`` (again: what was freed since is taken too)."""
+    ballast = disk / "ballast"
+    with open(ballast, "ab") as f:
+        st = os.statvfs(disk)
+        free = st.f_bavail * st.f_frsize
+        if free > 0:
+            with contextlib.suppress(OSError):
+                os.posix_fallocate(f.fileno(), os.fstat(f.fileno()).st_size, free)
+        with contextlib.suppress(OSError):  # the last partial blocks
+            while os.statvfs(disk).f_bavail > 0:
+                f.write(b"\0" * 4096)
+                f.flush()
+    return ballast
+
+
+def tiny_config(root: Path, state: Path, **extra) -> Path:
+    env = make_tiny_env(root)
+    cfg = {"env": {"dir": str(env), "name": "tinyfull", "grade": {"command": "sh grade.sh"}},
+           "policy": {"command": "echo 42 > answer.txt"}, "sandbox": {"state_dir": str(state)},
+           "output": {"dir": str(root / "results"), "batch_rows": 1}, **extra}
+    (root / "c.yaml").write_text(yaml.safe_dump(cfg))
+    return root / "c.yaml"
+
+
+def test_a_full_state_disk_stops_the_run_and_resume_finishes_it(tmp_path: Path, ray_local,  # noqa: F811
+                                                                 monkeypatch) -> None:
+    """Every sandbox start fails (the state disk is full): the run retries, then stops as
+    resumable instead of crawling on; with space again, --resume --retry-failed completes it."""
+    from harness.errors import InfrastructureDown
+    from harness.sandbox import open_provider
+
+    total = 30
+    # The backoff doubles up to 30 s in production; the test does not wait for that.
+    monkeypatch.setattr("harness.driver.RetryPolicy", functools.partial(RetryPolicy, max_backoff_s=0.05))
+    with small_disk(tmp_path / "state", "96m") as state:
+        config = tiny_config(tmp_path, state, episodes=total, retries=3, retry_backoff_s=0.01,
+                             output={"dir": str(tmp_path / "results"), "batch_rows": 1, "run_id": "full"})
+        cfg = load_config(config)
+        provider = open_provider("local", state_dir=state)
+        ballast: list[Path] = []
+        stop_filling = threading.Event()
+
+        def keep_it_full() -> None:  # what a deleted sandbox frees is taken again at once
+            while not stop_filling.wait(0.005):
+                fill(state)
+
+        def fill_after_three(result) -> None:
+            if not ballast and result.request.episode_id >= 2:
+                ballast.append(fill(state))
+                threading.Thread(target=keep_it_full, daemon=True).start()
+
+        try:
+            with pytest.raises(InfrastructureDown) as stop:
+                run(cfg, show_progress=False, on_result=fill_after_three)
+            stop_filling.set()
+            message = str(stop.value)
+            assert "\n" not in message and "infrastructure failures in a row" in message
+            assert "full" in message and "harness run --resume" in message, message
+            run_dir = tmp_path / "results" / "full"
+            assert read_manifest(run_dir)["status"] == "stopped"
+            rows_before = load_episodes(run_dir).to_pylist()
+            assert sum(r["reward"] == 1.0 for r in rows_before) >= 3
+            assert all(r["infra_error"] and r["attempt"] == 3 for r in rows_before if r["reward"] is None)
+
+            ballast[0].unlink()
+            summary = run(resume_config(run_dir, []), show_progress=False, resume=True, retry_failed=True)
+            rows = assert_complete(run_dir, total)
+            assert summary.errors == 0 and all(r["reward"] == 1.0 for r in rows)
+            assert read_manifest(run_dir)["status"] == "finished"
+            assert [i for i in provider.list() if (i.name or "").startswith("full-")] == []
+        finally:
+            stop_filling.set()
+            provider.shutdown()
+
+
+def test_a_full_output_disk_keeps_every_row_reported_done(tmp_path: Path, ray_local) -> None:  # noqa: F811
+    """The run directory's disk fills mid-run: the run stops with a one-line error, every row
+    it reported done is still there, and --resume (with space again) finishes the run."""
+    from harness.errors import DatasetWriteError
+
+    total = 40
+    done: list[int] = []
+    with small_disk(tmp_path / "out", "384k") as out:
+        config = tiny_config(tmp_path, state_dir(), episodes=total,
+                             output={"dir": str(out), "batch_rows": 1, "run_id": "outfull"})
+        with pytest.raises(DatasetWriteError) as stop:
+            run(load_config(config), show_progress=False, on_result=lambda r: done.append(r.request.episode_id))
+        message = str(stop.value)
+        assert "\n" not in message and "No space left" in message and "harness run --resume" in message
+        run_dir = out / "outfull"
+        assert 0 < len(done) < total
+        subprocess.run(["mount", "-o", "remount,size=64m", str(out)], check=True)
+        run(resume_config(run_dir, []), show_progress=False, resume=True)
+        rows = assert_complete(run_dir, total)
+        assert set(done) <= {r["episode_id"] for r in rows}
+        kept = {r["episode_id"]: r["attempt"] for r in rows}
+        assert all(kept[i] == 0 for i in done)
+    assert run_sandboxes("outfull") == []

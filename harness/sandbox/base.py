@@ -9,6 +9,7 @@ process boundaries (Ray, HTTP) and become dataset columns unchanged.
 from __future__ import annotations
 
 import dataclasses
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -75,10 +76,10 @@ class SandboxSpec(_Record):
             raise ConfigError(
                 f"unknown sandbox type {self.type!r}; use one of: {', '.join(SANDBOX_TYPES)}"
             )
-        if self.ttl_s is not None and self.ttl_s <= 0:
+        if self.ttl_s is not None and not (math.isfinite(self.ttl_s) and self.ttl_s > 0):
             from harness.errors import ConfigError
 
-            raise ConfigError(f"ttl must be positive seconds, got {self.ttl_s}")
+            raise ConfigError(f"ttl must be a positive, finite number of seconds (or None), got {self.ttl_s}")
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()

@@ -4,23 +4,31 @@ The command's processes live in a fresh cgroup leaf of the sandbox, so a
 timeout can kill exactly them, daemons that left the session included. They are
 spawned by a host thread that carries the sandbox's seccomp filter (see
 ``_jail.confine_thread``), so every one of them inherits it.
+
+A command in flight dies with the process that runs it (see "Commands die with
+their caller" below).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import selectors
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 from harness.errors import HarnessError, SandboxError
 from harness.sandbox import _jail
-from harness.sandbox._cgroup import SandboxCgroup
+from harness.sandbox._cgroup import PARENT, Layout, SandboxCgroup, _pids_in
 from harness.sandbox.base import TIMEOUT_EXIT_CODE, ExecResult, OutputCallback
+
+log = logging.getLogger(__name__)
 
 #: After a command exits, how long to keep reading output that its background
 #: children may still hold open before giving up on them.
@@ -52,6 +60,156 @@ def _confined_popen(argv: list[str], popen_kwargs: dict) -> subprocess.Popen:
     return subprocess.Popen(argv, **popen_kwargs)
 
 
+# -- Commands die with their caller -------------------------------------------------
+#
+# A command runs as nsenter (a host process, child of this one) and, below it
+# in the jail, the command's shell and whatever that starts. If this process
+# dies mid-call (a `harness serve` SIGKILLed, a worker OOM-killed), nobody reads
+# the result: the command must not run on unseen. A parent-death signal cannot
+# do it: nsenter would get it, but it neither forwards signals nor kills its
+# child when it dies (util-linux 2.38), a PDEATHSIG set in the jail reaches one
+# process and not its children or setsid daemons, and it fires on the death of
+# the parent *thread*. What finds every process of a command, daemons included,
+# is its cgroup leaf, and only root on the host can kill that.
+#
+# So each process that runs commands starts one watchdog ("reaper", a small
+# Python process in a session of its own) holding the read end of a pipe whose
+# only write end this process keeps (close-on-exec, closed in forked children).
+# The kernel closes it when this process dies, however it dies, and the reaper
+# reads EOF: then it kills the commands this process had in flight. Every leaf's
+# name carries its spawner (``x<pid>-<start time>-<random>``), and a command is
+# in flight while its nsenter, the one process of the leaf in the host's PID
+# namespace, lives: a finished command's leaf keeps only the background
+# processes it left on purpose, and those live on as after any exec. The kill
+# spares nsenter (it exits once its child has died; see ``SandboxCgroup.kill``).
+# ``reap_orphans`` is also run by gc and at provider start, for a reaper that
+# was itself killed. One process per caller process, none per command: the
+# exec round trip costs nothing more.
+
+_REAPER_SOURCE = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+while True:
+    try:
+        if not os.read(0, 4096):
+            break
+    except InterruptedError:
+        continue
+    except OSError:
+        break
+sys.path.insert(0, sys.argv[2])
+from harness.sandbox._exec import reap_owner
+reap_owner(sys.argv[1])
+"""
+
+_reaper: tuple[int, str, int | None] | None = None  # (pid, owner tag, write end of the pipe)
+_reaper_lock = threading.Lock()
+
+
+def _owner_tag() -> str:
+    """``<pid>-<start time>`` of this process, after making sure its reaper runs."""
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None or _reaper[0] != os.getpid():
+            pid = os.getpid()
+            tag = f"{pid}-{_jail.process_start_time(pid)}"
+            _reaper = (pid, tag, _start_reaper(tag))
+        return _reaper[1]
+
+
+def _start_reaper(tag: str) -> int | None:
+    read_end, write_end = os.pipe()  # neither is inherited by other children
+    try:
+        subprocess.Popen(
+            [sys.executable, "-I", "-c", _REAPER_SOURCE, tag, str(Path(__file__).resolve().parents[2])],
+            stdin=read_end,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    except OSError as exc:  # commands still run; gc kills those of a dead caller
+        log.warning("could not start the watchdog that stops this process's commands when it dies: %s", exc)
+        os.close(write_end)
+        return None
+    finally:
+        os.close(read_end)
+    return write_end
+
+
+def _forget_reaper_in_child() -> None:
+    """A forked child gets its own reaper on its first command; the parent's pipe
+    must close when the parent dies, not when the child does."""
+    global _reaper
+    if _reaper is not None and _reaper[2] is not None:
+        try:
+            os.close(_reaper[2])
+        except OSError:
+            pass
+    _reaper = None
+
+
+os.register_at_fork(after_in_child=_forget_reaper_in_child)
+
+
+def _exec_leaves(layout: Layout, groups: str) -> Iterator[Path]:
+    if layout.version == 2 and layout.v2_root is not None:
+        base = layout.v2_root / PARENT
+    elif layout.version == 1:
+        base = dict(layout.v1)["freezer"] / PARENT
+    else:
+        return iter(())
+    return base.glob(f"{groups}/x*-*-*")
+
+
+def _host_side(pids: list[int]) -> list[int]:
+    """The processes among ``pids`` in this (the host's) PID namespace: nsenter."""
+    try:
+        ours = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return []
+    out = []
+    for pid in pids:
+        try:
+            if os.readlink(f"/proc/{pid}/ns/pid") == ours:
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def reap_orphans(layout: Layout, groups: str = "*", owner: str | None = None) -> int:
+    """Kill the commands in flight whose spawning process is dead (or, with
+    ``owner``, those of that process); returns how many leaves still had one.
+    ``groups`` globs the sandbox cgroups to look at."""
+    found = 0
+    for leaf in _exec_leaves(layout, groups):
+        pid, start, _ = leaf.name[1:].split("-", 2)
+        if owner is not None:
+            if f"{pid}-{start}" != owner:
+                continue
+        elif not pid.isdigit() or not start.isdigit() or _jail.alive(int(pid), int(start)):
+            continue
+        cg = SandboxCgroup(layout, leaf.parent.name)
+        nsenter = _host_side(_pids_in(leaf))
+        if not nsenter:  # finished: what it left running in the background stays
+            cg.remove_leaf(leaf.name)
+            continue
+        found += 1
+        cg.kill(leaf.name, spare=nsenter[0])
+    return found
+
+
+def reap_owner(owner: str, wait_s: float = 10.0) -> None:
+    """The reaper's work once its process died: kill that process's commands in
+    flight until none is left (one may have been starting as it died)."""
+    layout = Layout.detect()
+    deadline = time.monotonic() + wait_s
+    while reap_orphans(layout, owner=owner) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    reap_orphans(layout, owner=owner)  # drops the leaves emptied meanwhile
+
+
 def run_in_jail(
     init_pid: int,
     cg: SandboxCgroup,
@@ -64,7 +222,7 @@ def run_in_jail(
     on_output: OutputCallback | None,
     max_output_bytes: int,
 ) -> ExecResult:
-    leaf = "x" + secrets.token_hex(6)
+    leaf = f"x{_owner_tag()}-{secrets.token_hex(6)}"
     started = time.monotonic()
     spawned = _spawn(
         _jail.enter_argv(init_pid, command, cwd, cg.leaf_procs(leaf)),

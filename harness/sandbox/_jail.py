@@ -1,7 +1,7 @@
 """Starting, entering and killing one jail: bubblewrap over an overlayfs home.
 
-The jail is a long-lived init (bubblewrap's PID 1 plus a sleeping holder) that
-owns the sandbox's PID, mount, IPC, UTS and network namespaces. Commands enter
+The jail is a long-lived init (a sleeping holder shell, the PID 1 of the jail)
+that owns the sandbox's PID, mount, IPC, UTS and network namespaces. Commands enter
 those namespaces with nsenter as the sandbox user, so many execs share one
 filesystem view and background processes live on between them, as in a VM.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ipaddress
 import json
+import math
 import os
 import shlex
 import shutil
@@ -161,11 +162,23 @@ def bwrap_args(
     lifetime_s: float | None = None,
     die_with_parent: bool = False,
 ) -> list[str]:
-    """``lifetime_s``: the holder exits after that long, which ends the jail (see
-    ``_holder_script``)."""
+    """``lifetime_s``: the holder exits after that long (or at the deadline in the
+    record's ``deadline`` file, see ``write_deadline``), which ends the jail (see
+    ``_holder_script``).
+
+    ``--as-pid-1``: the holder itself is the jail's PID 1, not a child of
+    bubblewrap's own init. That init only exits once it has no children left, so
+    a daemon that called setsid (re-parented to it) kept the jail, its namespaces
+    and the daemon alive after the holder had exited. When a PID 1 exits, the
+    kernel kills every process of its namespace: now the holder's exit ends the
+    jail, whatever runs in it. As PID 1 the holder also reaps the orphans
+    re-parented to it: dash waits for its foreground ``sleep`` with
+    ``wait3(-1)``, which reaps any child and discards the unknown ones, so the
+    zombies of daemons do not pile up against the pids limit (see
+    test_local's zombie test)."""
     args = [
         "bwrap",
-        "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
+        "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-net",
         "--hostname", hostname,
         "--cap-drop", "ALL",
         *(["--die-with-parent"] if die_with_parent else []),
@@ -197,21 +210,58 @@ def bwrap_args(
     return args
 
 
-#: How often a jail's holder checks that its sandbox still has a record.
+#: How often a jail's holder checks that its sandbox still has a record and
+#: that its deadline has not passed.
 HOLDER_CHECK_S = 5
+#: The file in a sandbox's record directory that holds the jail's deadline, in
+#: whole seconds of the boot clock (``/proc/uptime``, which the holder can read
+#: without starting a process), read by the holder at every check.
+DEADLINE_FILE = "deadline"
+
+
+def boot_clock() -> float:
+    """Seconds since boot (including suspend), the clock of ``/proc/uptime``."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def boot_deadline(lifetime_s: float) -> int:
+    """The boot-clock second at which a jail that must live ``lifetime_s`` more ends."""
+    return math.ceil(boot_clock() + max(lifetime_s, 0.0))
+
+
+def write_deadline(record: Path, lifetime_s: float) -> None:
+    """Move a running jail's deadline to ``lifetime_s`` from now (atomically: the
+    holder reads the file at every check). Raises OSError (e.g. a full disk)."""
+    tmp = record / f".{DEADLINE_FILE}-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        tmp.write_text(f"{boot_deadline(lifetime_s)}\n")
+        os.rename(tmp, record / DEADLINE_FILE)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _holder_script(record: Path, lifetime_s: float | None) -> str:
     """The jail's holder: it lives while the sandbox's record exists and, with a
-    TTL, until the TTL's deadline; when it exits, the jail ends. So a sandbox
-    whose record was lost (its state directory deleted, a create killed half-way)
-    cannot outlive it by more than a few seconds, whether or not any harness
-    process ever runs again. The records directory is bound root-only into the
-    jail at its host path; only the holder, uid 0 without capabilities, reads it."""
-    rounds = "-1" if lifetime_s is None else str(max(1, int(lifetime_s) // HOLDER_CHECK_S + 1))
-    return (
-        f"n={rounds}; while [ -d {shlex.quote(str(record))} ] && [ $n -ne 0 ]; "
-        f"do sleep {HOLDER_CHECK_S}; n=$((n-1)); done"
+    TTL, until its deadline; when it exits, the jail ends (it is the jail's PID 1,
+    see ``bwrap_args``). So a sandbox whose record was lost (its state directory
+    deleted, a create killed half-way) cannot outlive it by more than a few
+    seconds, whether or not any harness process ever runs again. The deadline
+    starts as ``lifetime_s`` from now; a ``deadline`` file in the record directory
+    overrides it (a claimed warm jail gets its own TTL's deadline that way).
+    Everything but ``sleep`` is a shell builtin: no process per check. The records
+    directory is bound root-only into the jail at its host path; only the holder,
+    uid 0 without capabilities, reads it. Its stderr goes to /dev/null: the pipe it
+    inherits from bubblewrap is closed once the jail has started."""
+    r = shlex.quote(str(record))
+    d = "" if lifetime_s is None else str(boot_deadline(lifetime_s))
+    return (  # one line: it is the jail's PID 1 command line, as `ps` shows it
+        f"exec 2>/dev/null; r={r}; d={d}; "
+        f"while [ -d \"$r\" ]; do "
+        f"read x < \"$r/{DEADLINE_FILE}\" && case $x in ''|*[!0-9]*) ;; *) d=$x;; esac; "
+        f"if [ -n \"$d\" ]; then read u _ < /proc/uptime; [ \"${{u%.*}}\" -lt \"$d\" ] || break; fi; "
+        f"sleep {HOLDER_CHECK_S}; "
+        f"done"
     )
 
 
@@ -219,7 +269,6 @@ def write_etc(etc: Path, network: bool) -> None:
     """Write the jail's own passwd, group, hosts and resolv.conf (atomically: many
     sandboxes may start at once)."""
     tmp = etc.with_name(f".{etc.name}-{os.getpid()}-{time.monotonic_ns()}")
-    tmp.mkdir(parents=True)
     files = {
         "passwd": f"root:x:0:0:root:/root:/bin/sh\nuser:x:{SANDBOX_UID}:{SANDBOX_GID}:user:/home/user:/bin/sh\n"
         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
@@ -228,12 +277,19 @@ def write_etc(etc: Path, network: bool) -> None:
         "resolv.conf": "nameserver 10.0.2.3\n" if network else "",
         "empty": "",
     }
-    for name, text in files.items():
-        (tmp / name).write_text(text)
+    tmp.mkdir(parents=True)
     try:
+        for name, text in files.items():
+            (tmp / name).write_text(text)
         os.rename(tmp, etc)
-    except OSError:  # another process won the race; its files are the same
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk leaves no half-written copy
+        if not etc.is_dir():
+            raise
+        # else another process won the race; its files are the same
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def start(
@@ -296,14 +352,13 @@ def join_cgroups_argv(cgroup_procs: Sequence[Path]) -> list[str]:
 
 
 def _holder_pid(init_pid: int) -> int | None:
-    """The pid of the jail's holder once bubblewrap has finished setting up and
-    exec'd it (its name turns from bwrap to sh)."""
+    """The pid of the jail's holder (its PID 1, so ``init_pid`` itself) once
+    bubblewrap has finished setting up and exec'd it (its name turns from bwrap
+    to sh)."""
     try:
-        children = Path(f"/proc/{init_pid}/task/{init_pid}/children").read_text().split()
-        for child in children:
-            if Path(f"/proc/{child}/comm").read_text().strip() == "sh":
-                return int(child)
-    except (OSError, ValueError):
+        if Path(f"/proc/{init_pid}/comm").read_text().strip() == "sh":
+            return init_pid
+    except OSError:
         pass
     return None
 
@@ -334,11 +389,10 @@ def _await_ready(
             proc.wait()
             err = proc.stderr.read().decode(errors="replace").strip()  # type: ignore[union-attr]
             raise SandboxStartError(f"the jail did not start: {err or 'timed out'}")
-        # Only bubblewrap's init and the sleeping holder exist yet, so moving
-        # them into the cgroups now is as safe as starting there, and cheaper.
+        # Only the sleeping holder exists yet, so moving it into the cgroups
+        # now is as safe as starting there, and cheaper.
         for procs in cgroup_procs:
-            for pid in (init_pid, holder):
-                procs.write_text(str(pid))
+            procs.write_text(str(init_pid))
         init_start = process_start_time(init_pid) or 0
         slirp_pid = slirp_start = None
         if network:

@@ -45,6 +45,7 @@ from harness.errors import (
 )
 from harness.sandbox import _jail
 from harness.sandbox._cgroup import Layout, SandboxCgroup
+from harness.sandbox._exec import reap_orphans
 from harness.sandbox._local_sandbox import LocalSandbox
 from harness.sandbox._pool import POOL_CLAIM_MAX_TTL_S, POOL_TTL_S, WarmPool
 from harness.sandbox._record import ID_RE, SandboxRecord, new_id
@@ -139,6 +140,7 @@ class LocalProvider(Provider):
         self._cg_prefix = hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:8]
         self._pool = WarmPool(self, pool_size) if pool_size > 0 else None
         self.snapshot_store_uri = snapshot_store or os.environ.get("HARNESS_SNAPSHOT_STORE") or None
+        self._reap_orphaned_execs()
 
     # -- helpers ---------------------------------------------------------------
     def _mount_run(self) -> None:
@@ -296,6 +298,10 @@ class LocalProvider(Provider):
         if meta.network:
             _jail.check_host(network=True)
         d = self._dir(meta.id)
+        try:
+            etc = self._etc(meta.network)
+        except OSError as exc:  # the first start on a state dir writes them: a full disk fails here
+            raise storage_error(exc, "creating a sandbox", self.state_dir, SandboxStartError) from exc
         res = SANDBOX_TYPES[meta.type]
         cg = self.cgroup(meta.id)
         cg.create(res)
@@ -305,7 +311,7 @@ class LocalProvider(Provider):
             upper=upper,
             work=work,
             lowers=tuple(self.layer_path(layer) for layer in reversed(meta.layers)),
-            etc=self._etc(meta.network),
+            etc=etc,
             state_binds=(self.run_dir, self.layers.root, self.sandboxes_dir),
             record=d,
         )
@@ -339,7 +345,12 @@ class LocalProvider(Provider):
             slirp_pid=jail.slirp_pid,
             slirp_start=jail.slirp_start,
         )
-        meta.save(d / "meta.json")
+        try:
+            meta.save(d / "meta.json")
+        except SandboxNotFound:
+            raise
+        except SandboxError as exc:  # a full disk: the create fails as a start (the caller destroys the jail)
+            raise SandboxStartError(str(exc)) from exc
         return meta
 
     def _start_new(self, meta: SandboxRecord) -> LocalSandbox:
@@ -415,13 +426,21 @@ class LocalProvider(Provider):
                     raise SandboxNotFound(sandbox_id)
                 if meta.deadline is not None and (not spec.ttl_s or now + spec.ttl_s + DEADLINE_GRACE_S > meta.deadline):
                     raise SandboxNotFound(sandbox_id)  # it would end before the TTL asked for: start one cold
+                expires_at = now + spec.ttl_s if spec.ttl_s else None
+                deadline = meta.deadline
+                if expires_at is not None:
+                    # The jail's own last resort moves from the pool's deadline to
+                    # this TTL's, as a cold start's would be (the holder reads it).
+                    deadline = expires_at + DEADLINE_GRACE_S
+                    _jail.write_deadline(self._dir(sandbox_id), deadline - now)
                 replace(
                     meta,
                     name=spec.name,
                     created_at=now,
-                    expires_at=now + spec.ttl_s if spec.ttl_s else None,
+                    expires_at=expires_at,
                     env=dict(spec.env),
                     pooled=False,
+                    deadline=deadline,
                 ).save(self._dir(sandbox_id) / "meta.json")
             return LocalSandbox(self, sandbox_id)
         except (SandboxError, OSError):
@@ -531,6 +550,7 @@ class LocalProvider(Provider):
                 if self._gone(meta):
                     self._destroy(meta.id)
                     deleted.append(meta.id)
+        self._reap_orphaned_execs()
         self._gc_cgroups()
         used = {layer for s in self.snapshot_store.list() for layer in s.layers}
         for d in self.sandboxes_dir.iterdir():
@@ -552,6 +572,11 @@ class LocalProvider(Provider):
                 removed.append(layer)
         self.layers.clean_tmp()
         return GcReport(deleted_sandboxes=tuple(deleted), removed_layers=tuple(removed))
+
+    def _reap_orphaned_execs(self) -> None:
+        """Kill commands still running for a process that died mid-call, in case
+        its watchdog died too (see ``_exec``: normally it kills them at once)."""
+        reap_orphans(self.cgroup_layout, f"{self._cg_prefix}-sb_*")
 
     def _gc_cgroups(self) -> None:
         """Remove this state dir's cgroups whose sandbox no longer exists."""

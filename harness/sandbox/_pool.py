@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 #: Seconds a pooled jail waits to be claimed before it is deleted (gc sees the TTL).
 POOL_TTL_S = 300.0
 #: The longest TTL a pooled jail can be claimed with; longer ones start cold.
+#: A pooled jail's own deadline (when its holder ends it) covers its wait plus
+#: this; claiming moves it to the claimed TTL's, as a cold start would have it
+#: (see ``LocalProvider._claim`` and ``_jail.write_deadline``).
 POOL_CLAIM_MAX_TTL_S = 3600.0
 
 Key = tuple[str, bool, "str | None"]  # (sandbox type, network, snapshot id or None for empty)

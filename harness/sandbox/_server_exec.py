@@ -125,7 +125,9 @@ _KILL_SCRIPT = (
 
 
 def _stop_exec(sb, exec_id: str, finished: threading.Event) -> None:
-    """Kill a command whose client went away, if it does not stop by itself."""
+    """Kill a command whose client went away, if it does not stop by itself.
+    (If the server itself dies, its commands in flight die with it: see
+    "Commands die with their caller" in ``harness.sandbox._exec``.)"""
     for _ in range(3):
         if finished.wait(0.3):
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
@@ -279,3 +280,39 @@ import os; os._exit(0)  # no close(): as when a worker is killed
         time.sleep(0.1)
     assert not any(alive(pid, start) for pid, start in jails), "warm jails outlived their process"
     open_provider("local", state_dir=state_dir).gc()
+
+
+def test_the_jail_init_reaps_orphans_and_ends_with_its_holder(local_provider):
+    """The holder is the jail's PID 1: orphans are re-parented to it, and it must
+    reap them, or their zombies would fill the sandbox's pids limit (512 for
+    small); and killing it alone ends the jail, background processes and all."""
+    import signal
+    import time
+
+    from harness.sandbox import _jail
+
+    sb = local_provider.create(SandboxSpec(type="small", ttl_s=600))
+    try:
+        meta = local_provider._load(sb.id)
+        assert _jail._holder_pid(meta.init_pid) == meta.init_pid
+        assert sb.exec("cat /proc/1/comm").text() == "sh\n"
+        # 700 orphans (each `( ... &)` leaves its child to PID 1) that exit at once.
+        result = sb.exec("for i in $(seq 700); do (sh -c 'exit 0' &); done; echo forked", timeout=120)
+        assert result.exit_code == 0 and result.text() == "forked\n"
+        assert result.stderr == b"", result.text("stderr")[-500:]  # no fork failed
+        count_zombies = "grep -l '^State:.*Z' /proc/[0-9]*/status 2>/dev/null | wc -l"
+        deadline = time.monotonic() + 10
+        while (zombies := int(sb.exec(count_zombies).text())) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert zombies == 0, f"{zombies} zombies were left unreaped by the jail's init"
+        sb.exec("(setsid sleep 600 > /dev/null 2>&1 &)")
+        os.kill(meta.init_pid, signal.SIGKILL)
+        assert _wait_dead(meta, 5), "the jail outlived its PID 1"
+        leaf_pids = sb.provider.cgroup(sb.id).exec_pids()
+        deadline = time.monotonic() + 5
+        while leaf_pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+            leaf_pids = sb.provider.cgroup(sb.id).exec_pids()
+        assert not leaf_pids, "a daemon outlived its jail's PID 1"
+    finally:
+        sb.delete()

@@ -127,6 +127,7 @@ def _start_reaper(tag: str) -> int | None:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            cwd="/",  # pins no directory (a mount point someone wants to unmount)
         )
     except OSError as exc:  # commands still run; gc kills those of a dead caller
         log.warning("could not start the watchdog that stops this process's commands when it dies: %s", exc)

@@ -22,13 +22,13 @@ import secrets
 import shutil
 import socket
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from test_isolation import (  # the helpers and fixtures of the isolation suite
+    accepting,
     host_addresses,
     host_cmdlines,
     run,
@@ -214,25 +214,8 @@ def ray_like_listener() -> Iterator[tuple[int, list]]:
         if srv:
             break
     assert srv is not None
-    accepted: list = []
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, peer = srv.accept()
-            except OSError:
-                return
-            accepted.append(peer)
-            conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield srv.getsockname()[1], accepted
-    finally:
-        srv.shutdown(socket.SHUT_RDWR)
-        srv.close()
-        thread.join(timeout=2)
+    with accepting(srv) as server:
+        yield server
 
 
 @pytest.mark.parametrize("network", [False, True], ids=["no-network", "network"])

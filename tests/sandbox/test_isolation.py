@@ -10,6 +10,7 @@ positive control shows that the probe itself works.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -145,12 +146,10 @@ def net_sandbox(local_provider) -> Iterator:
         sb.delete()
 
 
-@pytest.fixture
-def loopback_server() -> Iterator[tuple[int, list]]:
-    """A TCP server on the host's 127.0.0.1; yields its port and the peers it accepted."""
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(16)
+@contextlib.contextmanager
+def accepting(srv: socket.socket) -> Iterator[tuple[int, list]]:
+    """Accept (and close) connections on a listening socket in a thread; yields its port
+    and the peers it accepted, and closes it at the end."""
     accepted: list = []
 
     def serve() -> None:
@@ -170,6 +169,16 @@ def loopback_server() -> Iterator[tuple[int, list]]:
         srv.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
         srv.close()
         thread.join(timeout=2)
+
+
+@pytest.fixture
+def loopback_server() -> Iterator[tuple[int, list]]:
+    """A TCP server on the host's 127.0.0.1; yields its port and the peers it accepted."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    with accepting(srv) as server:
+        yield server
 
 
 def connect_probe(host: str, port: int) -> str:

@@ -641,6 +641,23 @@ def kill(jail_init_pid: int | None, init_start: int | None, *, wait_s: float = 5
         time.sleep(0.002)
 
 
+def kill_unrecorded(sandbox_dir: Path) -> None:
+    """SIGKILL the bubblewrap processes of a jail whose start was abandoned before
+    its pid was recorded (its starter was killed): they name the sandbox's
+    ``merged`` dir on their command line. One may wait forever for its dead
+    launcher, in the jail's namespaces but in no cgroup yet."""
+    needle = str(sandbox_dir / "merged").encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if argv[0] == b"bwrap" and needle in argv:
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+
+
 def kill_pid(pid: int | None, start_time: int | None) -> None:
     if pid and alive(pid, start_time):
         try:

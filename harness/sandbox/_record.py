@@ -43,6 +43,8 @@ class SandboxRecord:
     slirp_start: int | None = None
     pooled: bool = False  # a warm, unclaimed jail (see _pool)
     deadline: float | None = None  # when the jail ends by itself, whatever happens (see _jail.bwrap_args)
+    starter_pid: int | None = None  # the process starting the jail, until init_pid is recorded
+    starter_start: int | None = None
 
     @classmethod
     def load(cls, path: Path) -> SandboxRecord:
@@ -66,3 +68,10 @@ class SandboxRecord:
 
     def running(self) -> bool:
         return _jail.alive(self.init_pid, self.init_start)
+
+    def start_abandoned(self) -> bool:
+        """A jail that was never recorded as started, and whose starter died: a
+        create killed half-way (its overlay may still be mounted on the host)."""
+        return self.init_pid is None and self.starter_pid is not None and not _jail.alive(
+            self.starter_pid, self.starter_start
+        )

@@ -211,7 +211,7 @@ class LocalProvider(Provider):
         if meta.expired():
             self._destroy(sandbox_id)
             raise SandboxNotFound(f"sandbox {sandbox_id} expired (ttl) and was deleted")
-        if meta.init_pid is not None and not meta.running():
+        if (meta.init_pid is not None and not meta.running()) or meta.start_abandoned():
             self._destroy(sandbox_id)
             raise SandboxNotFound(f"sandbox {sandbox_id} stopped (its processes were killed) and was removed")
         return meta
@@ -247,6 +247,8 @@ class LocalProvider(Provider):
             expires_at=now + spec.ttl_s if spec.ttl_s else None,
             layers=layers,
             env=dict(spec.env),
+            starter_pid=os.getpid(),
+            starter_start=_jail.process_start_time(os.getpid()),
             **extra,
         )
         if meta.deadline is None and meta.expires_at is not None:
@@ -377,6 +379,8 @@ class LocalProvider(Provider):
         if meta is not None:
             _jail.kill(meta.init_pid, meta.init_start)
             _jail.kill_pid(meta.slirp_pid, meta.slirp_start)
+            if meta.init_pid is None and meta.starter_pid is not None:
+                _jail.kill_unrecorded(d)  # a start cut short (its starter died or it failed)
         cg = self.cgroup(sandbox_id)
         cg.kill()
         cg.remove()
@@ -485,8 +489,9 @@ class LocalProvider(Provider):
     @staticmethod
     def _gone(meta: SandboxRecord) -> bool:
         """Expired, or its jail died (killed from outside, the OOM killer, a reboot,
-        or the death of the process whose warm pool started it)."""
-        return meta.expired() or (meta.init_pid is not None and not meta.running())
+        or the death of the process whose warm pool started it), or the process
+        that was starting it died first."""
+        return meta.expired() or (meta.init_pid is not None and not meta.running()) or meta.start_abandoned()
 
     def _reap(self) -> list[str]:
         """Delete the sandboxes that are expired or whose jail died; their ids."""

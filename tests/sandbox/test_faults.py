@@ -705,6 +705,43 @@ def _provider_killed_while_holding_sandboxes(state: Path, ttl: float) -> None:
     assert_clean(provider)
 
 
+_KILLED_MID_START = """
+import os, signal, sys
+from harness.sandbox import SandboxSpec, _jail
+from harness.sandbox.local import LocalProvider
+p = LocalProvider(sys.argv[1], pool_size=int(sys.argv[2]))
+def die(*args, **kwargs):  # the overlay is mounted on the host, bubblewrap is starting
+    os.kill(os.getpid(), signal.SIGKILL)
+_jail._await_ready = die
+p.create(SandboxSpec(ttl_s=600))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pooled", [False, True], ids=["cold", "warm-pool"])
+def test_a_process_killed_while_starting_a_jail_leaves_nothing_after_the_next_call(tmp_path, pooled):
+    """SIGKILL between the host mount of a new jail's overlay and its detach (an
+    actor killed while its warm pool was starting a jail): the record has no jail
+    yet, its starter is dead; the next list() removes it, its mount and its jail."""
+    state = tmp_path / "state"
+    proc = subprocess.run([sys.executable, "-c", _KILLED_MID_START, str(state), str(int(pooled))], timeout=30, check=False)
+    assert proc.returncode == -signal.SIGKILL
+    provider = LocalProvider(state)
+    try:
+        # With a pool, its thread may have been starting a jail too.
+        records = [p for p in provider.sandboxes_dir.iterdir() if p.name.startswith("sb_")]
+        assert 1 <= len(records) <= 1 + pooled
+        assert all(provider._load(r.name).init_pid is None for r in records)
+        assert mounts_under(provider.sandboxes_dir), "the start was not killed mid-way (no host mount)"
+        assert provider.list() == []
+        assert not any(r.exists() for r in records)
+        assert not mounts_under(provider.sandboxes_dir)
+        # Its jail, if bubblewrap got that far, ends as its record is gone.
+        assert_clean(provider, timeout=3 * _jail.HOLDER_CHECK_S)
+    finally:
+        shutdown_clean(provider)
+
+
 # -- 5. a server killed and restarted while a client holds sandboxes -------------------
 
 

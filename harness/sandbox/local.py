@@ -18,7 +18,7 @@ State layout::
     <state>/layers/<sha256>/           immutable layers on disk (overlayfs upper format)
     <state>/snapshots/<name>.json      snapshot records
     <state>/sandboxes/<id>/meta.json   one sandbox's record (and merged/, lock)
-    <state>/sandboxes/.trash-<id>/     a sandbox being deleted (gc finishes it)
+    <state>/sandboxes/.trash-<id>/     a sandbox being deleted (list, gc and every call that reaps finish it)
     <state>/run/                       tmpfs: <id>/upper-N, <id>/work-N, eph/<uuid>/
 """
 
@@ -473,6 +473,9 @@ class LocalProvider(Provider):
     def list(self) -> list[SandboxInfo]:
         out = []
         for d in sorted(self.sandboxes_dir.iterdir()):
+            if d.name.startswith(".trash-"):  # a delete cut short (its process was killed): finish it
+                self._destroy(d.name.removeprefix(".trash-"))
+                continue
             if not ID_RE.match(d.name):
                 continue
             try:
@@ -497,6 +500,9 @@ class LocalProvider(Provider):
         """Delete the sandboxes that are expired or whose jail died; their ids."""
         deleted = []
         for d in list(self.sandboxes_dir.iterdir()):
+            if d.name.startswith(".trash-"):  # a delete cut short: finish it
+                self._destroy(d.name.removeprefix(".trash-"))
+                continue
             if not ID_RE.match(d.name):
                 continue
             try:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from harness.sandbox import SANDBOX_TYPES, SandboxSpec, open_provider
+from harness.sandbox import _jail
 from harness.sandbox._store import MAX_CHAIN
 
 
@@ -316,3 +318,20 @@ def test_the_jail_init_reaps_orphans_and_ends_with_its_holder(local_provider):
         assert not leaf_pids, "a daemon outlived its jail's PID 1"
     finally:
         sb.delete()
+
+
+def test_a_delete_cut_short_is_finished_by_the_next_list(local_provider):
+    """A process killed mid-delete (after the rename to .trash-<id>) leaves its jail, cgroup
+    and in-memory upper dir: the next list() (which the driver's end-of-run reap calls)
+    finishes the job, not only gc."""
+    sb = local_provider.create()
+    sb.exec("sleep 300 &")
+    meta = local_provider._load(sb.id)
+    trash = local_provider.sandboxes_dir / f".trash-{sb.id}"
+    os.rename(local_provider.sandboxes_dir / sb.id, trash)  # where a killed _destroy stops first
+    assert sb.id not in {i.id for i in local_provider.list()}
+    assert not trash.exists() and not (local_provider.run_dir / sb.id).exists()
+    deadline = time.monotonic() + 5
+    while _jail.alive(meta.init_pid, meta.init_start) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _jail.alive(meta.init_pid, meta.init_start)

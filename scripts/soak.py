@@ -54,6 +54,7 @@ from harness.config import load_config
 from harness.dataset import load_episodes, load_steps
 from harness.driver import run
 from harness.sandbox import open_provider
+from harness.sandbox._exec import REAPER_NAME
 from harness.sandbox._jail import alive, process_start_time
 from harness.sandbox._record import ID_RE, SandboxRecord
 
@@ -157,9 +158,12 @@ def _zombie(pid: int) -> bool:
 
 
 def my_descendants() -> list[tuple[int, str]]:
-    """Live (not zombie) processes below this one: Ray's, once it is shut down, should be gone."""
+    """Live (not zombie) processes below this one: Ray's, once it is shut down, should be gone.
+    This process's own exec watchdog is not counted: it lives exactly as long as this
+    process does, by design (see harness.sandbox._exec)."""
     me = os.getpid()
-    return [(pid, _cmdline(pid)) for pid in _pids() if pid != me and _descends_from(pid, me) and not _zombie(pid)]
+    return [(pid, cmd) for pid in _pids() if pid != me and _descends_from(pid, me) and not _zombie(pid)
+            and REAPER_NAME not in (cmd := _cmdline(pid))]
 
 
 def processes_referencing(path: Path) -> list[tuple[int, str]]:

@@ -4,13 +4,16 @@ and a leak check after every test that used sandboxes."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 from harness.sandbox import open_provider
+from harness.sandbox._jail import HOLDER_CHECK_S
 from sandbox.server_fixture import http_provider, sandbox_server  # noqa: F401  (a real `harness serve`)
 
 BACKENDS = ["local", "http"]
@@ -56,6 +59,29 @@ def live_leftovers(provider) -> list[str]:
     return [i.id for i in provider.list()]
 
 
+def orphan_jail_processes(state: Path, wait_s: float = HOLDER_CHECK_S + 2) -> dict[int, str]:
+    """Processes of sandboxes (their jail, holder, slirp4netns: found by the sandbox's path in
+    their command line) whose sandbox record is gone: what a delete or a crash left running.
+    Deletes kill them at once; the jail's own holder ends it within HOLDER_CHECK_S anyway."""
+    pattern = re.compile(rf"{re.escape(str(state))}/sandboxes/(sb_[a-z0-9]+)")
+    deadline = time.monotonic() + wait_s
+    while True:
+        orphans = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            m = pattern.search(cmdline)
+            if m and not (state / "sandboxes" / m.group(1)).exists():
+                orphans[int(entry.name)] = m.group(1)
+        if not orphans or time.monotonic() > deadline:
+            return orphans
+        time.sleep(0.1)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_sandboxes(request):
     """Fail a test that leaves sandboxes, jailed processes, mounts or cgroups behind."""
@@ -71,6 +97,8 @@ def no_leaked_sandboxes(request):
     assert not leaked, f"test leaked sandboxes: {sorted(leaked)}"
     mounts = Path("/proc/self/mountinfo").read_text()
     assert str(provider.sandboxes_dir) not in mounts, "a sandbox mount was left on the host"
+    orphans = orphan_jail_processes(provider.state_dir)
+    assert not orphans, f"processes of deleted sandboxes are still running: {orphans}"
 
 
 @pytest.fixture(autouse=True)
@@ -97,3 +125,5 @@ def no_leaked_run_sandboxes():
     mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
               if f"{root}/sandboxes" in line]
     assert not mounts, f"a sandbox mount was left on the host: {mounts[:2]}"
+    orphans = orphan_jail_processes(root)
+    assert not orphans, f"processes of deleted sandboxes are still running: {orphans}"

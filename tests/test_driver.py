@@ -187,7 +187,7 @@ def test_a_dying_actor_is_one_error_row_and_is_replaced(tmp_path: Path, ray_loca
         "        os._exit(3)  # the whole actor process goes, mid-episode, sandbox acquired\n"
         "    return 'cp policies/1.py task/stats.py' if obs.t == 0 else None\n")
     cfg = load_config(MEDIAN_CONFIG, median_overrides(
-        tmp_path, episodes=2, sweep="{policy.prompt: [live, die, live], method: [fork]}", **{
+        tmp_path, episodes=2, retries=0, sweep="{policy.prompt: [live, die, live], method: [fork]}", **{
             "policy.kind": "python", "policy.entrypoint": "killer:act", "policy.python_path": f"[{tmp_path}]",
             "output.run_id": "die"}))
     summary = run(cfg, show_progress=False)

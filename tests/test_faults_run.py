@@ -271,7 +271,7 @@ def test_retry_failed_reruns_only_infrastructure_failures(tmp_path: Path, ray_lo
     median_env()
     marks = tmp_path / "marks"
     marks.mkdir()
-    (tmp_path / "flaky.py").write_text(
+    (tmp_path / "dies_once_policy.py").write_text(
         "import os, pathlib\n"
         f"MARKS = pathlib.Path({str(marks)!r})\n"
         "def act(obs):\n"
@@ -284,8 +284,8 @@ def test_retry_failed_reruns_only_infrastructure_failures(tmp_path: Path, ray_lo
         "        return 'cp policies/1.py task/stats.py'\n"
         "    return None\n")
     overrides = median_overrides(tmp_path, episodes=2, retries=0, actors=1, sweep="{policy.prompt: [good, bad]}", **{
-        "policy.kind": "python", "policy.entrypoint": "flaky:act", "policy.python_path": f"[{tmp_path}]",
-        "output.run_id": "again"})
+        "policy.kind": "python", "policy.entrypoint": "dies_once_policy:act",
+        "policy.python_path": f"[{tmp_path}]", "output.run_id": "again"})
     summary = run(load_config(MEDIAN_CONFIG, overrides), show_progress=False)
     rows = load_episodes(summary.run_dir).to_pylist()
     assert sorted((r["error_phase"] or "ok") for r in rows) == ["act", "act", "actor", "ok"]

@@ -645,14 +645,18 @@ def kill_unrecorded(sandbox_dir: Path) -> None:
     """SIGKILL the bubblewrap processes of a jail whose start was abandoned before
     its pid was recorded (its starter was killed): they name the sandbox's
     ``merged`` dir on their command line. One may wait forever for its dead
-    launcher, in the jail's namespaces but in no cgroup yet."""
+    launcher, in the jail's namespaces but in no cgroup yet. If bubblewrap got as
+    far as starting the holder (the jail's PID 1, which names the record dir), it
+    is killed too, which ends the PID namespace at once rather than at its next
+    check of the record."""
     needle = str(sandbox_dir / "merged").encode()
+    holder = f"r={shlex.quote(str(sandbox_dir))};".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if argv[0] == b"bwrap" and needle in argv:
+            if (argv[0] == b"bwrap" and needle in argv) or (len(argv) > 2 and holder in argv[2]):
                 os.kill(int(entry.name), signal.SIGKILL)
         except (OSError, ValueError):
             continue

@@ -337,16 +337,22 @@ def _run_locked(cfg: DictConfig, run_id: str, run_dir: Path, console: Console, s
         return actor
 
     def reap(only: set[str] | None = None) -> list[str]:
-        deleted = [d for opts in host_options for d in reap_sandboxes(cfg.sandbox.backend, opts, run_id, only)]
-        if node_local and node_refs:
-            known, _ = ray.wait(node_refs, num_returns=len(node_refs), timeout=10)
-            nodes = set()
-            for ref in known:
-                try:
-                    nodes.add(ray.get(ref))
-                except ray.exceptions.RayError:
-                    pass  # the actor died before it said where it was
-            deleted += reap_on_nodes(cfg.sandbox.backend, actor_options, run_id, nodes - {None}, only)
+        deleted: list[str] = []
+        try:
+            for opts in host_options:
+                deleted += reap_sandboxes(cfg.sandbox.backend, opts, run_id, only)
+            if node_local and node_refs:
+                known, _ = ray.wait(node_refs, num_returns=len(node_refs), timeout=10)
+                nodes = set()
+                for ref in known:
+                    try:
+                        nodes.add(ray.get(ref))
+                    except ray.exceptions.RayError:
+                        pass  # the actor died before it said where it was
+                deleted += reap_on_nodes(cfg.sandbox.backend, actor_options, run_id, nodes - {None}, only)
+        except Exception as exc:  # a cleanup must never end the run: the next reap and the TTL remain
+            console.print(f"[yellow]could not delete leftover sandboxes of run {run_id}: {type(exc).__name__}: "
+                          f"{escape(' '.join(str(exc).split()))}; the next cleanup or their TTL removes them")
         return deleted
 
     actors: list[Any] = []
@@ -391,12 +397,9 @@ def _run_locked(cfg: DictConfig, run_id: str, run_dir: Path, console: Console, s
                 status, stopped = "stopped", exc
             finally:
                 _stop_actors(actors)
-                try:
-                    leaked = reap()
-                    if leaked:
-                        console.print(f"[yellow]deleted {len(leaked)} sandboxes left by actors: {', '.join(leaked)}")
-                except HarnessError as exc:
-                    console.print(f"[yellow]could not check for leftover sandboxes: {escape(str(exc))}")
+                leaked = reap()
+                if leaked:
+                    console.print(f"[yellow]deleted {len(leaked)} sandboxes left by actors: {', '.join(leaked)}")
     finally:
         try:
             writer.close()

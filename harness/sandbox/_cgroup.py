@@ -146,7 +146,11 @@ class SandboxCgroup:
         base = self._freezer_dir(None)
         if base is None or not base.is_dir():
             return []
-        return [pid for d in base.iterdir() if d.is_dir() and d.name != "init" for pid in _pids_in(d)]
+        try:
+            leaves = [d for d in base.iterdir() if d.is_dir() and d.name != "init"]
+        except FileNotFoundError:
+            return []  # removed meanwhile
+        return [pid for d in leaves for pid in _pids_in(d)]
 
     # -- lifecycle -----------------------------------------------------------
     def create(self, res: Resources) -> None:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -150,14 +150,24 @@ def _forget_reaper_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_reaper_in_child)
 
 
-def _exec_leaves(layout: Layout, groups: str) -> Iterator[Path]:
+def _exec_leaves(layout: Layout, groups: str) -> list[Path]:
     if layout.version == 2 and layout.v2_root is not None:
         base = layout.v2_root / PARENT
     elif layout.version == 1:
         base = dict(layout.v1)["freezer"] / PARENT
     else:
-        return iter(())
-    return base.glob(f"{groups}/x*-*-*")
+        return []
+    leaves: list[Path] = []
+    try:
+        sandboxes = list(base.glob(groups))
+    except FileNotFoundError:
+        return leaves
+    for group in sandboxes:
+        try:
+            leaves += group.glob("x*-*-*")
+        except FileNotFoundError:
+            continue  # the sandbox was deleted meanwhile, by this or another process
+    return leaves
 
 
 def _host_side(pids: list[int]) -> list[int]:

@@ -471,36 +471,15 @@ class LocalProvider(Provider):
         return LocalSandbox(self, sandbox_id)
 
     def list(self) -> list[SandboxInfo]:
-        out = []
+        live, _ = self._sweep()
+        return sorted((self._info(meta) for meta in live if not meta.pooled), key=lambda i: i.created_at)
+
+    def _sweep(self) -> tuple[list[SandboxRecord], list[str]]:
+        """Delete the sandboxes that are gone (and finish deletes cut short: a process
+        killed after renaming to .trash-<id>); returns the live records and the ids deleted."""
+        live, deleted = [], []
         for d in sorted(self.sandboxes_dir.iterdir()):
-            if d.name.startswith(".trash-"):  # a delete cut short (its process was killed): finish it
-                self._destroy(d.name.removeprefix(".trash-"))
-                continue
-            if not ID_RE.match(d.name):
-                continue
-            try:
-                meta = self._load(d.name)
-            except SandboxNotFound:
-                continue
-            if self._gone(meta):
-                self._destroy(meta.id)
-                continue
-            if not meta.pooled:
-                out.append(self._info(meta))
-        return sorted(out, key=lambda i: i.created_at)
-
-    @staticmethod
-    def _gone(meta: SandboxRecord) -> bool:
-        """Expired, or its jail died (killed from outside, the OOM killer, a reboot,
-        or the death of the process whose warm pool started it), or the process
-        that was starting it died first."""
-        return meta.expired() or (meta.init_pid is not None and not meta.running()) or meta.start_abandoned()
-
-    def _reap(self) -> list[str]:
-        """Delete the sandboxes that are expired or whose jail died; their ids."""
-        deleted = []
-        for d in list(self.sandboxes_dir.iterdir()):
-            if d.name.startswith(".trash-"):  # a delete cut short: finish it
+            if d.name.startswith(".trash-"):
                 self._destroy(d.name.removeprefix(".trash-"))
                 continue
             if not ID_RE.match(d.name):
@@ -512,7 +491,20 @@ class LocalProvider(Provider):
             if self._gone(meta):
                 self._destroy(meta.id)
                 deleted.append(meta.id)
-        return deleted
+            else:
+                live.append(meta)
+        return live, deleted
+
+    @staticmethod
+    def _gone(meta: SandboxRecord) -> bool:
+        """Expired, or its jail died (killed from outside, the OOM killer, a reboot,
+        or the death of the process whose warm pool started it), or the process
+        that was starting it died first."""
+        return meta.expired() or (meta.init_pid is not None and not meta.running()) or meta.start_abandoned()
+
+    def _reap(self) -> list[str]:
+        """Delete the sandboxes that are expired or whose jail died; their ids."""
+        return self._sweep()[1]
 
     def snapshots(self) -> list[SnapshotInfo]:
         return self.snapshot_store.list()

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from test_isolation import wait_until as isolation_wait_until
 from sandbox.server_fixture import (
     kill_server,
     restart_server,
@@ -51,12 +52,8 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 5.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(interval)
+    """The isolation suite's poll, with a longer default: faults take longer to settle."""
+    return isolation_wait_until(predicate, timeout, interval)
 
 
 def host_cmdlines() -> dict[int, str]:

@@ -100,7 +100,7 @@ class Dispatcher:
                 for slot in list(free):
                     req = pick(slot)
                     if req is None:
-                        break
+                        continue  # what is left avoids this actor; another may take it
                     free.remove(slot)
                     inflight[self.actors[slot].run.remote(req)] = (slot, req)
             wake = [t for t in (hold_until, waiting[0][0] if waiting else 0.0) if t > now]

@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from harness.errors import ConfigError, DatasetWriteError, HarnessError, Infrast
 from harness.policy import describe as describe_policy
 from harness.policy import make_policy
 from harness.runs import reap_dead_runs, reap_on_nodes, reap_sandboxes
+from harness.summary import PointStats, RunSummary, summary_table
 from harness.sandbox import default_state_dir, open_provider
 
 #: Seconds to wait for the actors to start before reporting that Ray cannot place them.
@@ -48,73 +48,6 @@ ACTOR_START_TIMEOUT_S = 120.0
 RUN_MECHANICS = ("actors", "retries", "retry_backoff_s", "rebuild", "ray", "output.dir", "output.run_id",
                  "output.batch_rows", "output.flush_seconds", "sandbox.backend", "sandbox.state_dir",
                  "sandbox.options", "sandbox.hosts", "sandbox.store")
-
-
-@dataclass
-class PointStats:
-    """Running figures of one sweep point, for the progress bar and the final table."""
-
-    point_id: int
-    point: dict[str, Any]
-    method: str
-    policy: str
-    episodes: int = 0
-    errors: int = 0
-    rewards: list[float] = field(default_factory=list)
-    start_s: list[float] = field(default_factory=list)
-    grade_s: list[float] = field(default_factory=list)
-
-    def add(self, row: dict[str, Any]) -> None:
-        """Count one episode row (as written to the dataset)."""
-        self.episodes += 1
-        if row["error_type"] is not None:
-            self.errors += 1
-        if row["reward"] is not None:
-            self.rewards.append(row["reward"])
-            self.start_s.append(row["acquire_seconds"])
-            self.grade_s.append(row["grade_seconds"])
-
-    @property
-    def mean_reward(self) -> float | None:
-        return statistics.fmean(self.rewards) if self.rewards else None
-
-
-@dataclass
-class RunSummary:
-    run_id: str
-    run_dir: Path
-    snapshot: str
-    baseline: dict[str, Any]
-    points: list[PointStats]
-    seconds: float
-    interrupted: bool = False
-    episodes_total: int = 0
-
-    @property
-    def errors(self) -> int:
-        return sum(p.errors for p in self.points)
-
-
-def _p50(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.3f}" if xs else "-"
-
-
-def summary_table(summary: RunSummary) -> Table:
-    """One row per sweep point: its swept values, then the figures."""
-    baseline = summary.baseline.get("reward")
-    table = Table(title=f"run {summary.run_id}: baseline reward {baseline}", caption=f"snapshot {summary.snapshot}")
-    keys = list(summary.points[0].point) if summary.points else []
-    if "method" not in keys:
-        keys.append("method")
-    for key in keys:
-        table.add_column(key)
-    for col in ("episodes", "mean reward", "errors", "start s p50", "grade s p50"):
-        table.add_column(col, justify="right")
-    for p in summary.points:
-        values = [str(p.point.get(k, p.method if k == "method" else "")) for k in keys]
-        mean = f"{p.mean_reward:.3f}" if p.mean_reward is not None else "-"
-        table.add_row(*values, str(p.episodes), mean, str(p.errors), _p50(p.start_s), _p50(p.grade_s))
-    return table
 
 
 def _versions() -> dict[str, str]:

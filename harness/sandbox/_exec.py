@@ -3,7 +3,7 @@
 The command's processes live in a fresh cgroup leaf of the sandbox, so a
 timeout can kill exactly them, daemons that left the session included. They are
 spawned by a host thread that carries the sandbox's seccomp filter (see
-``_jail.confine_thread``), so every one of them inherits it.
+``_seccomp.confine_thread``), so every one of them inherits it.
 
 A command in flight dies with the process that runs it (see "Commands die with
 their caller" below).
@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from harness.errors import HarnessError, SandboxError
-from harness.sandbox import _jail
+from harness.sandbox import _jail, _seccomp
 from harness.sandbox._cgroup import PARENT, Layout, SandboxCgroup, _pids_in
 from harness.sandbox.base import TIMEOUT_EXIT_CODE, ExecResult, OutputCallback
 
@@ -55,7 +55,7 @@ def _spawn(argv: list[str], **popen_kwargs) -> Future[subprocess.Popen]:
 
 def _confined_popen(argv: list[str], popen_kwargs: dict) -> subprocess.Popen:
     if not getattr(_confined, "done", False):
-        _jail.confine_thread()  # raises, and spawns nothing, if the filter cannot be installed
+        _seccomp.confine_thread()  # raises, and spawns nothing, if the filter cannot be installed
         _confined.done = True
     return subprocess.Popen(argv, **popen_kwargs)
 

@@ -5,7 +5,7 @@ sandboxes' files and processes, the host's loopback, signals to host processes,
 capabilities, exhaustion and daemons left by a timeout. This file adds writes into
 what the jail binds from the host, device nodes, the kernel's interfaces (/proc,
 keyrings, perf, bpf, modules), nested user namespaces (refused by the commands'
-seccomp filter, see harness.sandbox._jail.confine_thread), Ray-like ports on every
+seccomp filter, see harness.sandbox._seccomp.confine_thread), Ray-like ports on every
 host address, ptrace and ``kill -9 -1``, the home filling the host's disk, daemons
 that try to outlive a delete, and the HTTP server's tokens and file paths.
 

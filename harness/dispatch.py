@@ -106,13 +106,9 @@ class Dispatcher:
             wake = [t for t in (hold_until, waiting[0][0] if waiting else 0.0) if t > now]
             timeout = max(0.0, min(wake) - now) if wake else None
             if not inflight:
-                if timeout is None:  # nothing in flight, nothing to wait for: only avoided retries are left
-                    if due and free:
-                        req, _ = due.pop(0)
-                        slot = free.pop(0)
-                        inflight[self.actors[slot].run.remote(req)] = (slot, req)
-                    continue
-                time.sleep(timeout)
+                # Every actor is free, so whatever is left waits for its backoff (an avoided
+                # retry always finds another actor); with nothing left, the loop ends.
+                time.sleep(timeout or 0.0)
                 continue
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=timeout)
             if not ready:

@@ -21,7 +21,6 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import pyarrow.compute as pc
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
@@ -138,13 +137,14 @@ def _resume_plan(run_dir: Path, requests: list[EpisodeRequest], retry_failed: bo
     recovered = recover(run_dir)
     if recovered:
         console.print(f"[dim]recovered {recovered} journalled episodes into part files")
+    rows = load_episodes(run_dir).select(["episode_id", "point_id", "error_type", "reward", "acquire_seconds",
+                                          "grade_seconds", "infra_error"]).to_pylist()
     dropped = 0
     if retry_failed:
-        failed = load_episodes(run_dir).filter(pc.field("infra_error")).column("episode_id").to_pylist()
-        drop_episodes(run_dir, set(failed))
+        failed = {r["episode_id"] for r in rows if r["infra_error"]}
+        drop_episodes(run_dir, failed)
+        rows = [r for r in rows if r["episode_id"] not in failed]
         dropped = len(failed)
-    rows = load_episodes(run_dir).select(["episode_id", "point_id", "error_type", "reward", "acquire_seconds",
-                                          "grade_seconds"]).to_pylist()
     done = {r["episode_id"] for r in rows}
     if len(done) != len(rows):
         raise HarnessError(f"run directory {run_dir} has duplicate episode rows; it was written by two drivers at "

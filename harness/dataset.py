@@ -31,6 +31,7 @@ import yaml
 
 from harness.episode import EpisodeResult
 from harness.errors import DatasetWriteError
+from harness.files import write_atomically
 
 #: RLlib's ids for a single-agent episode.
 AGENT_ID = "default_agent"
@@ -300,10 +301,7 @@ def drop_episodes(run_dir: str | Path, ids: set[int]) -> None:
     run_dir = Path(run_dir)
     if not ids:
         return
-    intent = run_dir / DROP_INTENT
-    tmp = intent.with_suffix(".tmp")
-    tmp.write_text(json.dumps(sorted(ids)))
-    os.replace(tmp, intent)
+    intent = write_atomically(run_dir / DROP_INTENT, json.dumps(sorted(ids)))
     _drop(run_dir, set(ids))
     intent.unlink()
 
@@ -326,12 +324,8 @@ def load_steps(run_dir: str | Path) -> pa.Table:
 
 
 def write_manifest(run_dir: str | Path, manifest: Mapping[str, Any]) -> Path:
-    path = Path(run_dir) / "manifest.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(json.loads(_json(dict(manifest))), sort_keys=False))
-    tmp.rename(path)
-    return path
+    return write_atomically(Path(run_dir) / "manifest.yaml",
+                            yaml.safe_dump(json.loads(_json(dict(manifest))), sort_keys=False))
 
 
 def read_manifest(run_dir: str | Path) -> dict[str, Any]:

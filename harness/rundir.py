@@ -27,6 +27,7 @@ from harness import config as C
 from harness.dataset import read_manifest
 from harness.episode import EpisodeRequest
 from harness.errors import ConfigError
+from harness.files import write_atomically
 
 REDACTED = "<redacted>"
 #: Keys whose values never reach a run directory (also as the end of a key: auth_token).
@@ -57,13 +58,8 @@ def episodes_fingerprint(requests: Iterable[EpisodeRequest]) -> str:
 
 
 def write_config(run_dir: Path, cfg: DictConfig) -> Path:
-    path = run_dir / "config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = redact(OmegaConf.to_container(cfg, resolve=False))
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
-    os.replace(tmp, path)
-    return path
+    return write_atomically(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
 def resume_config(run_dir: str | Path, overrides: list[str]) -> DictConfig:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
+from harness.files import write_atomically
 from harness.sandbox import open_provider
 from harness.sandbox._jail import alive, process_start_time
 
@@ -77,13 +78,10 @@ def _leases(state_dir: Path) -> Path:
 def lease(state_dir: str | Path, run_id: str, run_dir: str | Path) -> Iterator[Path]:
     """Hold the run's lease while the block runs; a driver that dies keeps it, which is
     how the next harness call knows the run's sandboxes are orphans."""
-    path = _leases(Path(state_dir)) / f"{run_id}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
-    tmp = path.with_suffix(f".tmp{pid}")
-    tmp.write_text(json.dumps({"run_id": run_id, "host": socket.gethostname(), "pid": pid,
-                               "pid_start": process_start_time(pid), "run_dir": str(run_dir)}))
-    os.replace(tmp, path)
+    path = write_atomically(_leases(Path(state_dir)) / f"{run_id}.json", json.dumps({
+        "run_id": run_id, "host": socket.gethostname(), "pid": pid, "pid_start": process_start_time(pid),
+        "run_dir": str(run_dir)}))
     try:
         yield path
     finally:

@@ -82,6 +82,15 @@ def orphan_jail_processes(state: Path, wait_s: float = HOLDER_CHECK_S + 2) -> di
         time.sleep(0.1)
 
 
+def assert_nothing_left_on_host(state: Path) -> None:
+    """No mount under the state dir's sandboxes, no process of a deleted sandbox."""
+    mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
+              if f"{state}/sandboxes" in line]
+    assert not mounts, f"a sandbox mount was left on the host: {mounts[:2]}"
+    orphans = orphan_jail_processes(state)
+    assert not orphans, f"processes of deleted sandboxes are still running: {orphans}"
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_sandboxes(request):
     """Fail a test that leaves sandboxes, jailed processes, mounts or cgroups behind."""
@@ -95,10 +104,7 @@ def no_leaked_sandboxes(request):
     for sandbox_id in leaked:
         provider.get(sandbox_id).delete()
     assert not leaked, f"test leaked sandboxes: {sorted(leaked)}"
-    mounts = Path("/proc/self/mountinfo").read_text()
-    assert str(provider.sandboxes_dir) not in mounts, "a sandbox mount was left on the host"
-    orphans = orphan_jail_processes(provider.state_dir)
-    assert not orphans, f"processes of deleted sandboxes are still running: {orphans}"
+    assert_nothing_left_on_host(provider.state_dir)
 
 
 @pytest.fixture(autouse=True)
@@ -122,8 +128,4 @@ def no_leaked_run_sandboxes():
     assert not leaked, f"test leaked sandboxes: {sorted(leaked)}"
     leases = root / "runs"
     assert not leases.is_dir() or not list(leases.iterdir()), f"a run left its lease: {list(leases.iterdir())}"
-    mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
-              if f"{root}/sandboxes" in line]
-    assert not mounts, f"a sandbox mount was left on the host: {mounts[:2]}"
-    orphans = orphan_jail_processes(root)
-    assert not orphans, f"processes of deleted sandboxes are still running: {orphans}"
+    assert_nothing_left_on_host(root)

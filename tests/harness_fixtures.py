@@ -258,6 +258,16 @@ def median_overrides(tmp_path: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in items.items()]
 
 
+def harness_cli(*args: str, timeout: float = 300, home: Path | None = None) -> subprocess.CompletedProcess:
+    """`harness ARGS` through the real command-line entry point, in a subprocess of its own
+    (``home``: its $HARNESS_HOME)."""
+    env = {**os.environ, "COLUMNS": "150"}
+    if home is not None:
+        env["HARNESS_HOME"] = str(home)
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
 def start_server(home: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
     """A real `harness serve --insecure` on loopback with its own state directory."""
     import socket

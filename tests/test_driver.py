@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
 from harness_fixtures import (
     MEDIAN_CONFIG,
-    ROOT,
+    harness_cli,
     local_provider,
     median_env,
     median_overrides,
@@ -30,11 +28,9 @@ from harness.driver import run
 pytestmark = needs_sandbox
 
 
-def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "120"}
+def cli(*args: str) -> subprocess.CompletedProcess:
     """`harness run ARGS` through the real command-line entry point."""
-    return subprocess.run([sys.executable, "-m", "harness.cli", "run", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return harness_cli("run", *args, timeout=240)
 
 
 def test_cli_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
@@ -48,8 +44,7 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
         assert p.returncode == 2, p.stderr
         assert needle in p.stderr and "Traceback" not in p.stderr
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
-    p = subprocess.run([sys.executable, "-m", "harness.cli", "--debug", "run", str(MEDIAN_CONFIG), "polcy.id=1"],
-                       cwd=ROOT, capture_output=True, text=True)
+    p = harness_cli("--debug", "run", str(MEDIAN_CONFIG), "polcy.id=1")
     assert p.returncode != 0 and "Traceback" in p.stderr
 
 

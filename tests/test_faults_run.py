@@ -21,6 +21,7 @@ import yaml
 from harness_fixtures import (
     MEDIAN_CONFIG,
     ROOT,
+    harness_cli,
     local_provider,
     make_tiny_env,
     median_env,
@@ -42,10 +43,9 @@ pytestmark = needs_sandbox
 SLOW_FIX = "'sleep 1; cp policies/1.py task/stats.py'"
 
 
-def harness(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "150", "HARNESS_HOME": str(state_dir())}
-    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env, **kw)
+def harness(*args: str) -> subprocess.CompletedProcess:
+    """`harness ARGS` in a subprocess, on the tests' state directory."""
+    return harness_cli(*args, home=state_dir())
 
 
 def run_sandboxes(run_id: str) -> list[str]:

@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from harness import config as C
-from harness import rundir, runs
+from harness import rundir
 from harness.actors import EpisodeWorker
 from harness.dataset import DatasetWriter, drop_episodes, episode_row, load_episodes, recover, step_rows, write_manifest
 from harness.dispatch import Dispatcher, RetryPolicy
@@ -37,7 +37,7 @@ from harness.episode import EpisodeRequest, EpisodeResult
 from harness.errors import ConfigError, DatasetWriteError, HarnessError, InfrastructureDown
 from harness.policy import describe as describe_policy
 from harness.policy import make_policy
-from harness.runs import reap_dead_runs, reap_on_nodes, reap_sandboxes
+from harness.runs import lease, reap_dead_runs, reap_on_nodes, reap_sandboxes
 from harness.summary import PointStats, RunSummary, summary_table
 from harness.sandbox import default_state_dir, open_provider
 
@@ -252,7 +252,7 @@ def _run_locked(cfg: DictConfig, run_id: str, run_dir: Path, console: Console, s
     for row in rows:
         stats[row["point_id"]].add(row)
     writer = DatasetWriter(run_dir, batch_rows=cfg.output.batch_rows, flush_seconds=cfg.output.flush_seconds)
-    lease = runs.lease(options["state_dir"], run_id, run_dir) if cfg.sandbox.backend == "local" else nullcontext()
+    run_lease = lease(options["state_dir"], run_id, run_dir) if cfg.sandbox.backend == "local" else nullcontext()
 
     # max_concurrency=2 lets close() run while an episode is in flight (Ctrl-C cleanup).
     Worker = ray.remote(num_cpus=cfg.ray.actor_cpus, max_concurrency=2)(EpisodeWorker)
@@ -296,7 +296,7 @@ def _run_locked(cfg: DictConfig, run_id: str, run_dir: Path, console: Console, s
                         TextColumn("failures {task.fields[failures]}  mean reward {task.fields[mean]}"),
                         TimeElapsedColumn(), console=console, disable=not show_progress)
     try:
-        with lease:
+        with run_lease:
             try:
                 actors = [new_actor(i) for i in range(min(n_actors, len(requests)))]
                 try:
